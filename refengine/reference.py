@@ -1,0 +1,155 @@
+"""The float64 serial reference forward: the oracle every other result is judged against.
+
+One sequence at a time, a contiguous KV cache, float64 throughout. Written to be read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelConfig
+from .model import Model
+from .sampling import SamplingParams, greedy_token, top2_margin, top_logprobs
+from .stopping import cut_at_stop_string, finish_reason
+from .weights import LayerWeights, Weights
+
+
+def rms_norm(x, weight, eps):  # x [..., dim], weight [dim]
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def rope_angles(positions, head_dim, theta):  # -> [seq, head_dim]
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
+    angles = np.outer(positions, inv_freq)                                               # [seq, head_dim/2]
+    return np.concatenate([angles, angles], axis=-1)                                     # [seq, head_dim]
+
+
+def apply_rope(x, positions, theta):  # x [seq, heads, head_dim]
+    angles = rope_angles(positions, x.shape[-1], theta)[:, None, :]  # [seq, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: [seq, heads, head_dim]
+    return x * np.cos(angles) + rotated * np.sin(angles)
+
+
+def linear(x, weight, bias=None):  # x [seq, in], weight [out, in] -> [seq, out]
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def causal_attention(q, k, v, q_positions):
+    """q [seq, n_heads, hd]; k, v [total, n_kv_heads, hd] hold every key up to the last query."""
+    n_heads, n_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = n_heads // n_kv_heads
+    k = np.repeat(k, group, axis=1)                                      # [total, n_heads, hd]
+    v = np.repeat(v, group, axis=1)                                      # [total, n_heads, hd]
+    scores = np.einsum("shd,thd->hst", q, k) / np.sqrt(head_dim)         # [n_heads, seq, total]
+    key_positions = np.arange(k.shape[0])
+    future = key_positions[None, :] > np.asarray(q_positions)[:, None]   # [seq, total]
+    scores = np.where(future[None], -np.inf, scores)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = weights / weights.sum(axis=-1, keepdims=True)              # [n_heads, seq, total]
+    return np.einsum("hst,thd->shd", weights, v)                         # [seq, n_heads, hd]
+
+
+@dataclass
+class KVCache:
+    """Per layer, keys and values of every position so far: [positions, n_kv_heads, head_dim]."""
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+
+def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, cache: KVCache, positions):
+    seq = x.shape[0]
+    q = linear(x, w.q_proj, w.q_bias).reshape(seq, cfg.num_heads, cfg.head_dim)     # [seq, n_heads, hd]
+    k = linear(x, w.k_proj, w.k_bias).reshape(seq, cfg.num_kv_heads, cfg.head_dim)  # [seq, n_kv_heads, hd]
+    v = linear(x, w.v_proj, w.v_bias).reshape(seq, cfg.num_kv_heads, cfg.head_dim)  # [seq, n_kv_heads, hd]
+    if cfg.qk_norm:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, positions, cfg.rope_theta)
+    k = apply_rope(k, positions, cfg.rope_theta)
+    if layer == len(cache.keys):
+        cache.keys.append(k)
+        cache.values.append(v)
+    else:
+        cache.keys[layer] = np.concatenate([cache.keys[layer], k])      # [total, n_kv_heads, hd]
+        cache.values[layer] = np.concatenate([cache.values[layer], v])  # [total, n_kv_heads, hd]
+    out = causal_attention(q, cache.keys[layer], cache.values[layer], positions)  # [seq, n_heads, hd]
+    return linear(out.reshape(seq, cfg.q_size), w.o_proj, w.o_bias)               # [seq, hidden]
+
+
+def mlp_block(x, w: LayerWeights):  # x [seq, hidden]
+    gate = silu(linear(x, w.gate_proj, w.gate_bias))  # [seq, intermediate]
+    up = linear(x, w.up_proj, w.up_bias)              # [seq, intermediate]
+    return linear(gate * up, w.down_proj, w.down_bias)  # [seq, hidden]
+
+
+def forward(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
+    """Logits [len(ids), vocab] for `ids` following the cache's positions; extends the cache."""
+    positions = cache.length + np.arange(len(ids))  # [seq]
+    x = weights.embed[np.asarray(ids)]              # [seq, hidden]
+    for layer, w in enumerate(weights.layers):
+        x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, cache, positions)
+        x = x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)
+    x = rms_norm(x, weights.norm, cfg.rms_norm_eps)  # [seq, hidden]
+    return x @ weights.lm_head.T                     # [seq, vocab]
+
+
+def prompt_logits(model: Model, ids, dtype=np.float64):
+    """Logits at every position of `ids`: [len(ids), vocab]."""
+    ids = model.check_prompt(ids)
+    return forward(model.weights(dtype), model.config, ids, KVCache())
+
+
+@dataclass
+class StepRecord:
+    token_id: int
+    top2_margin: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    steps: list[StepRecord]
+
+    @property
+    def margins(self) -> list[float]:
+        return [s.top2_margin for s in self.steps]
+
+
+def generate(model: Model, prompt_ids, params: SamplingParams, dtype=np.float64, top_k_logprobs: int = 5):
+    """Greedy decoding, one token per forward; records the margin and top-k logprobs of each step."""
+    if not params.greedy:
+        raise ValueError("the reference decodes greedily; use the engine for seeded sampling")
+    prompt_ids = model.check_prompt(prompt_ids)
+    weights, cfg = model.weights(dtype), model.config
+    detok = model.tokenizer.detokenizer()
+    cache = KVCache()
+    logits = forward(weights, cfg, prompt_ids, cache)[-1]  # [vocab]
+    token_ids, steps = [], []
+    while True:
+        token = greedy_token(logits)
+        token_ids.append(token)
+        steps.append(StepRecord(token, top2_margin(logits), top_logprobs(logits, top_k_logprobs)))
+        detok.push(token)
+        reason = finish_reason(token, len(token_ids), detok.text, params, cfg.eos_token_ids)
+        if reason is None and len(prompt_ids) + len(token_ids) >= cfg.max_position_embeddings:
+            reason = "length"
+        if reason:
+            detok.flush()
+            text = cut_at_stop_string(detok.text, params.stop)
+            return GenerationResult(prompt_ids, token_ids, text, reason, steps)
+        logits = forward(weights, cfg, [token], cache)[-1]

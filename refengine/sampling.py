@@ -1,0 +1,88 @@
+"""Choosing the next token from one logits row; shared by the reference and the engine.
+
+Every function reads one row only, so a row's result never depends on the batch around it.
+Seeded sampling draws its random number from (seed, token index) alone, so a sampled request
+produces the same tokens whatever else is scheduled beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import RefengineError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0         # how many top alternatives to report per step
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RefengineError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise RefengineError(f"temperature: must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RefengineError(f"top_k: must be a non-negative integer, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise RefengineError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.temperature > 0 and self.seed is None:
+            raise RefengineError("seed: sampling with temperature > 0 needs a seed (draws are keyed by it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def greedy_token(logits: np.ndarray) -> int:
+    """argmax; on an exact tie the lowest id wins (np.argmax returns the first maximum)."""
+    return int(np.argmax(logits))
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """top-1 logit minus top-2 logit: how far the greedy decision is from flipping."""
+    top2 = np.partition(logits, -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - np.max(logits)
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely ids with their log-probabilities, ties broken by lower id."""
+    logprobs = log_softmax(logits.astype(np.float64))
+    order = np.lexsort((np.arange(len(logprobs)), -logprobs))[:k]
+    return [(int(i), float(logprobs[i])) for i in order]
+
+
+def token_uniform(seed: int, token_index: int) -> float:
+    """The one uniform draw for token `token_index` of a request seeded with `seed`."""
+    return float(np.random.Generator(np.random.Philox(key=[seed & (2**64 - 1), token_index])).random())
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
+    if params.greedy:
+        return greedy_token(logits)
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.lexsort((np.arange(len(scaled)), -scaled))  # descending, lower id first on ties
+    if params.top_k:
+        order = order[:params.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+        probs = probs[:keep] / probs[:keep].sum()
+    cdf = np.cumsum(probs)
+    pick = int(np.searchsorted(cdf, token_uniform(params.seed, token_index) * cdf[-1], side="right"))
+    return int(order[min(pick, len(order) - 1)])
