@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RefengineError
+from ..margins import measure_margins
 from ..reference import generate, prompt_logits
 from ..sampling import SamplingParams
 from ..tiny import ARCHITECTURES, PRESETS, TinySpec, make_tiny
@@ -66,6 +67,15 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_margins(args) -> int:
+    stats = measure_margins(open_model(args), args.prompts, args.max_tokens, args.seed)
+    if args.json:
+        print_json(stats.as_dict())
+    else:
+        print(stats.table())
+    return 0
+
+
 def run_make_tiny(args) -> int:
     base = PRESETS[args.preset]
     overrides = {field: getattr(args, field) for field in
@@ -103,6 +113,14 @@ def register(subparsers) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="f64")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_generate)
+
+    p = subparsers.add_parser("margins", help="distribution of greedy top-2 logit margins (float64 reference)")
+    add_model_argument(p)
+    p.add_argument("--prompts", type=int, default=32, help="number of random prompts")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_margins)
 
     p = subparsers.add_parser("make-tiny", help="write a random HF-format test model folder")
     p.add_argument("out_dir")
