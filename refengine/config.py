@@ -75,15 +75,15 @@ def _ids(value) -> list[int]:
 
 def _rope_theta(cfg: dict, where: Path) -> float:
     # transformers 5 moved rope settings into `rope_parameters`; older files use
-    # `rope_theta` plus an optional `rope_scaling` dict.
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise RefengineError(f"{where}: field rope_parameters must be an object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        field = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
-        raise RefengineError(f"{where}: field {field}.rope_type={rope_type!r} is not supported (only 'default' RoPE)")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    # `rope_theta` plus an optional `rope_scaling` dict. Both are checked: either can carry a scaling.
+    for field in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(field) or {}
+        if not isinstance(params, dict):
+            raise RefengineError(f"{where}: field {field} must be an object, got {params!r}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise RefengineError(f"{where}: field {field}.rope_type={rope_type!r} is not supported (only 'default' RoPE)")
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
     return float(theta)
 
 

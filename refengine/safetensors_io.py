@@ -27,9 +27,12 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bf16 bit patterns (as torch does)."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
     rounding = ((bits >> 16) & 1) + 0x7FFF
-    return ((bits + rounding) >> 16).astype(np.uint16)
+    rounded = ((bits + rounding) >> 16).astype(np.uint16)
+    # Rounding would carry a NaN's payload into infinity (or wrap it to -0): keep it a quiet NaN.
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
 class SafetensorsFile:

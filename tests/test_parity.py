@@ -1,9 +1,10 @@
 """The float64 reference against transformers itself, on random tiny models transformers builds.
 
 transformers computes RMSNorm and the RoPE angles in float32 whatever the weight dtype, so the
-test's copy of each transformers model gets float64 versions of exactly those two; attention runs
-through SDPA, which stays in the input dtype. Then both sides are true float64 forwards and agree
-to ~1e-13, far inside the 1e-9 bound.
+test's copy of each transformers model gets float64 versions of exactly those two. Attention runs
+through SDPA, which stays in the input dtype (eager attention would softmax in float32). Then both
+sides are true float64 forwards and agree to ~1e-13, far inside the 1e-9 bound; the float32
+RMSNorm + RoPE, or the float32 softmax, each move the logits by ~1e-6.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from refengine.config import load_config  # noqa: E402
@@ -78,6 +80,7 @@ def save_folder(hf_model, folder, storage: str):
     to_save.save_pretrained(folder, max_shard_size="12KB" if layout == "sharded" else "1GB")
     write_tokenizer(folder, hf_model.config.vocab_size)
     shards = sorted(folder.glob("*.safetensors"))
+    assert stored_dtypes(shards) == {"BF16" if dtype == "bf16" else "F32"}
     if layout == "sharded":
         assert (folder / "model.safetensors.index.json").exists() and len(shards) > 1
     else:
@@ -87,6 +90,14 @@ def save_folder(hf_model, folder, storage: str):
 
 def hf_head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def stored_dtypes(files) -> set[str]:
+    found = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+    return found
 
 
 def _rms_norm_f64(self, hidden_states):
