@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server over real sockets on 127.0.0.1: answers equal the serial engine's,
+streaming equals non-streaming, SSE framing, logprobs, 64 clients that come and go, 503 when full,
+4xx for bad requests, and the `refengine serve` command."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from refengine.engine import EngineConfig, LLMEngine
+from refengine.sampling import SamplingParams
+from refengine.server import OpenAIServer
+
+DEADLINE_S = 30
+MAX_BODY = 64 * 1024
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop")
+
+CAPITAL = {"messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 20}
+COLOUR = {"messages": [{"role": "user", "content": "What is your favourite colour?"}], "max_tokens": 24,
+          "temperature": 0.9, "top_p": 0.9, "seed": 11}
+STORY = {"prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True}
+IDS_SAMPLED = {"prompt": [5, 9, 13, 200, 77], "max_tokens": 28, "temperature": 0.8, "top_k": 50, "seed": 7}
+POOL = [("chat", CAPITAL), ("chat", COLOUR), ("completion", STORY), ("completion", IDS_SAMPLED)]
+LONG = {"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+# --- servers and HTTP ---------------------------------------------------------------------
+def wait_until(condition, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.01)
+
+
+def start_server(model, max_waiting=64, queue_timeout=30.0, **engine) -> OpenAIServer:
+    server = OpenAIServer(model, EngineConfig(mode="invariant", **engine), max_waiting=max_waiting,
+                          queue_timeout=queue_timeout, max_body_bytes=MAX_BODY)
+    server.start()
+    wait_until(lambda: call(server.url, "GET", "/health")[0] == 200, "/health")
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    server = start_server(tiny_model, max_num_seqs=8, max_num_batched_tokens=32)
+    yield server
+    server.close()
+
+
+def connection(url) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    assert parts.hostname == "127.0.0.1"
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=DEADLINE_S)
+
+
+def call(url, method, path, body=None, raw: bytes | None = None, headers=None):
+    conn = connection(url)
+    try:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def status_of(server) -> dict:
+    code, data = call(server.url, "GET", "/admin/api/status")
+    assert code == 200
+    return json.loads(data)
+
+
+def parse_sse(raw: bytes) -> list[dict]:
+    """Every event is exactly `data: <one line>\\n\\n`; the stream ends with one `data: [DONE]`."""
+    frames = raw.decode().split("\n\n")
+    assert frames[-1] == "", "the stream must end with a blank line"
+    frames = frames[:-1]
+    assert frames[-1] == "data: [DONE]" and frames.count("data: [DONE]") == 1
+    for frame in frames:
+        assert frame.startswith("data: ") and "\n" not in frame, repr(frame)
+    return [json.loads(frame[len("data: "):]) for frame in frames[:-1]]
+
+
+def generate(server, kind: str, body: dict, stream: bool) -> dict:
+    """token_ids, text, finish_reason, prompt_token_ids, usage, logprobs: from either response shape."""
+    code, raw = call(server.url, "POST", PATHS[kind], {**body, "stream": stream,
+                                                       "stream_options": {"include_usage": True}})
+    assert code == 200, raw
+    if not stream:
+        response = json.loads(raw)
+        choice = response["choices"][0]
+        return {"token_ids": choice["token_ids"], "prompt_token_ids": choice["prompt_token_ids"],
+                "text": choice["message"]["content"] if kind == "chat" else choice["text"],
+                "finish_reason": choice["finish_reason"], "usage": response["usage"],
+                "logprobs": choice["logprobs"]}
+    chunks = parse_sse(raw)
+    assert len({c["id"] for c in chunks}) == 1
+    *token_chunks, usage_chunk = chunks
+    choices = [c["choices"][0] for c in token_chunks]
+    assert all(len(c["token_ids"]) == 1 for c in choices), "one SSE event per token"
+    assert all(c["finish_reason"] is None for c in choices[:-1])
+    logprobs = [c["logprobs"] for c in choices]
+    return {"token_ids": [i for c in choices for i in c["token_ids"]],
+            "prompt_token_ids": choices[0]["prompt_token_ids"],
+            "text": "".join(c["delta"]["content"] if kind == "chat" else c["text"] for c in choices),
+            "finish_reason": choices[-1]["finish_reason"], "usage": usage_chunk["usage"],
+            "logprobs": None if logprobs[0] is None else merge_logprobs(logprobs)}
+
+
+def merge_logprobs(parts: list[dict]) -> dict:
+    return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
+
+# --- the oracle: the same request alone in a serial engine ----------------------------------
+def prompt_ids_of(model, kind: str, body: dict) -> list[int]:
+    if kind == "chat":
+        return model.tokenizer.encode_chat(body["messages"])
+    prompt = body["prompt"]
+    return list(prompt) if isinstance(prompt, list) else model.tokenizer.encode(prompt)
+
+
+def serial(model, kind: str, body: dict, logprobs: int = 0):
+    sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
+    if isinstance(sampling.get("stop"), (str, list)):
+        sampling["stop"] = tuple([sampling["stop"]] if isinstance(sampling["stop"], str) else sampling["stop"])
+    engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1))
+    engine.add_request("serial", prompt_ids_of(model, kind, body), params=SamplingParams(**sampling, logprobs=logprobs))
+    return engine.run()["serial"]
+
+
+def assert_matches_serial(got: dict, expected, prompt_ids: list[int]):
+    assert got["token_ids"] == expected.token_ids
+    assert got["text"] == expected.text
+    assert got["finish_reason"] == expected.finish_reason
+    assert got["prompt_token_ids"] == prompt_ids
+    assert got["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(expected.token_ids),
+                            "total_tokens": len(prompt_ids) + len(expected.token_ids)}
+
+
+# --- answers --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,body", POOL, ids=["chat-greedy", "chat-sampled", "text-prompt", "id-prompt-sampled"])
+def test_streaming_and_whole_answers_equal_the_serial_engine(server, tiny_model, kind, body):
+    expected = serial(tiny_model, kind, body)
+    prompt_ids = prompt_ids_of(tiny_model, kind, body)
+    whole = generate(server, kind, body, stream=False)
+    streamed = generate(server, kind, body, stream=True)
+    assert_matches_serial(whole, expected, prompt_ids)
+    assert_matches_serial(streamed, expected, prompt_ids)
+
+
+def test_stop_string_cuts_the_text_as_the_serial_engine_does(server, tiny_model):
+    full = serial(tiny_model, "completion", STORY).text
+    start = next(i for i in range(len(full) // 3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[start:start + 2]
+    body = {**STORY, "stop": [stop, "never-generated"]}
+    expected = serial(tiny_model, "completion", body)
+    assert expected.finish_reason == "stop" and expected.text == full[:full.index(stop)]
+    prompt_ids = prompt_ids_of(tiny_model, "completion", body)
+    for stream in (False, True):
+        assert_matches_serial(generate(server, "completion", body, stream), expected, prompt_ids)
+
+
+def test_chat_logprobs_are_the_engine_top_logprobs(server, tiny_model):
+    expected = serial(tiny_model, "chat", CAPITAL, logprobs=3)
+    for stream in (False, True):
+        body = {**CAPITAL, "logprobs": True, "top_logprobs": 3}
+        entries = generate(server, "chat", body, stream)["logprobs"]["content"]
+        assert [e["token_id"] for e in entries] == expected.token_ids
+        for entry, step in zip(entries, expected.steps):
+            assert [(t["token_id"], t["logprob"]) for t in entry["top_logprobs"]] == step.top_logprobs
+            assert entry["logprob"] == step.top_logprobs[0][1]  # greedy: the chosen token is the top one
+            assert bytes(entry["bytes"]).decode() == entry["token"]
+
+
+def test_completion_logprobs_report_each_token(server, tiny_model):
+    expected = serial(tiny_model, "completion", STORY, logprobs=2)
+    for stream in (False, True):
+        logprobs = generate(server, "completion", {**STORY, "logprobs": 2}, stream)["logprobs"]
+        assert logprobs["token_logprobs"] == [s.top_logprobs[0][1] for s in expected.steps]
+        assert logprobs["tokens"] == [tiny_model.tokenizer.decode([i], skip_special_tokens=False)
+                                      for i in expected.token_ids]
+        assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+
+def test_models_and_health(server, tiny_model):
+    code, raw = call(server.url, "GET", "/v1/models")
+    model = json.loads(raw)["data"][0]
+    assert code == 200 and model["id"] == tiny_model.path.name and model["fingerprint"] == tiny_model.fingerprint
+    assert json.loads(call(server.url, "GET", "/health")[1]) == {"status": "ok"}
+
+
+# --- bad requests ---------------------------------------------------------------------------
+BAD_REQUESTS = {
+    "invalid-json": ("/v1/completions", b'{"prompt": "hi", ', 400, None),
+    "not-an-object": ("/v1/completions", b'["hi"]', 400, None),
+    "unknown-model": ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
+    "max-tokens-0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-text": ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    "temperature-negative": ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    "sampling-without-seed": ("/v1/completions", {"prompt": "hi", "temperature": 0.7}, 400, "seed"),
+    "top-p-zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    "token-id-outside-vocab": ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt"),
+    "empty-prompt": ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    "missing-prompt": ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    "missing-messages": ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+    "message-without-role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    "stop-not-strings": ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
+    "n-2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    "beyond-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    "oversize-body": ("/v1/completions", {"prompt": "x" * MAX_BODY}, 413, None),
+    "unknown-path": ("/v2/everything", {"prompt": "hi"}, 404, None),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_request_gets_a_json_4xx_and_the_server_keeps_serving(server, name):
+    path, body, expected_status, param = BAD_REQUESTS[name]
+    raw = body if isinstance(body, bytes) else None
+    code, data = call(server.url, "POST", path, body=None if raw else body, raw=raw)
+    error = json.loads(data)["error"]
+    assert code == expected_status, error
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert generate(server, "completion", {"prompt": "hi", "max_tokens": 2}, stream=False)["token_ids"]
+
+
+def test_wrong_method_and_missing_length_get_4xx(server):
+    assert call(server.url, "GET", "/v1/completions")[0] == 405
+    with socket.create_connection(("127.0.0.1", urlsplit(server.url).port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = b"".join(iter(lambda: s.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.1 411") and b'"code": "length_required"' in reply
+    assert status_of(server)["running"] == 0
+
+
+# --- load: 64 clients that come and go ------------------------------------------------------
+def stream_then_hang_up(url, kind, body, events: int):
+    conn = connection(url)
+    conn.request("POST", PATHS[kind], body=json.dumps({**body, "stream": True}))
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(2 * events):  # each event is a data line plus a blank line
+        response.readline()
+    response.close()
+    conn.close()
+
+
+def send_then_hang_up(url, kind, body):
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", urlsplit(url).port)) as s:
+        s.sendall(f"POST {PATHS[kind]} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+
+def test_64_clients_joining_and_leaving_get_serial_answers_and_free_every_block(server, tiny_model):
+    expected = {n: serial(tiny_model, kind, body) for n, (kind, body) in enumerate(POOL)}
+    before = status_of(server)
+    start, done = threading.Barrier(64), threading.Event()
+    results, errors, live_batches = [], [], []
+
+    def client(i):
+        rng = random.Random(1000 + i)
+        n = rng.randrange(len(POOL))
+        kind, body = POOL[n]
+        stream, hang_up = rng.random() < 0.5, rng.random() < 0.25
+        start.wait()
+        threading.Event().wait(rng.random() * 0.2)  # arrival jitter
+        try:
+            if hang_up and stream:
+                stream_then_hang_up(server.url, "completion", LONG, events=rng.randint(1, 4))
+            elif hang_up:
+                send_then_hang_up(server.url, "completion", LONG)
+            else:
+                results.append((n, generate(server, kind, body, stream)))
+        except Exception as e:  # collected and asserted in the main thread
+            errors.append(f"client {i}: {e!r}")
+
+    def monitor():
+        while not done.is_set():
+            live_batches.append(status_of(server)["batch_active"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    done.set()
+    watcher.join(DEADLINE_S)
+    elapsed = time.perf_counter() - started
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert len(results) >= 32
+    for n, got in results:
+        assert got["token_ids"] == expected[n].token_ids and got["text"] == expected[n].text
+
+    def all_arrived_and_left():  # a client that hung up right after sending may still be in the server's hands
+        status = status_of(server)
+        return status["requests_total"] - before["requests_total"] == 64 and status["in_flight"] == 0
+
+    wait_until(all_arrived_and_left, "all 64 requests to arrive and leave")
+    after = status_of(server)
+    assert after["running"] == after["waiting"] == after["kv_blocks_used"] == 0
+    assert after["kv_blocks_free"] == server.engine.config.num_blocks
+    assert after["requests_aborted"] > before["requests_aborted"], "hang-ups must abort their requests"
+    assert after["requests_finished"] + after["requests_aborted"] == after["requests_total"]
+    assert max(live_batches) > 1 and after["max_batch_active"] > 1, "steps must batch requests"
+    print(f"\n64 clients: {elapsed:.2f}s, {len(results)} completed, "
+          f"{after['requests_aborted'] - before['requests_aborted']} aborted, max live batch_active "
+          f"{max(live_batches)}, max_batch_active {after['max_batch_active']}")
+
+
+# --- a full batch -----------------------------------------------------------------------------
+def test_full_batch_gets_503_after_the_queue_timeout_and_a_hang_up_frees_the_slot(tiny_model):
+    server = start_server(tiny_model, max_waiting=0, queue_timeout=0.3, max_num_seqs=1, num_blocks=260)
+    try:
+        occupant = connection(server.url)
+        occupant.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}))
+        response = occupant.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+
+        code, data = call(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert code == 503 and json.loads(data)["error"]["code"] == "queue_timeout"
+        assert status_of(server)["requests_rejected_busy"] == 1
+
+        response.close()  # the socket stays open while the response holds it
+        occupant.close()
+        wait_until(lambda: status_of(server)["in_flight"] == 0, "the hung-up request to be aborted")
+        status = status_of(server)
+        assert status["requests_aborted"] == 1 and status["kv_blocks_used"] == 0
+        assert generate(server, "completion", {"prompt": "hi", "max_tokens": 2}, stream=False)["token_ids"]
+    finally:
+        server.close()
+
+
+# --- the command --------------------------------------------------------------------------------
+def test_refengine_serve_prints_its_url_and_serves(tiny_model_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "refengine", "serve", "--model", str(tiny_model_dir), "--port", "0",
+         "--mode", "invariant", "--max-num-seqs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving http://127.0.0.1:"), line + process.stderr.read()
+        url = line.split()[1]
+        wait_until(lambda: call(url, "GET", "/health")[0] == 200, "/health")
+        code, raw = call(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert code == 200 and len(json.loads(raw)["choices"][0]["token_ids"]) == 3
+    finally:
+        process.terminate()
+        process.wait(DEADLINE_S)
+        process.stdout.close()
+        process.stderr.close()
+
+
+def test_refengine_serve_refuses_an_unknown_fault(tiny_model_dir):
+    result = subprocess.run([sys.executable, "-m", "refengine", "serve", "--model", str(tiny_model_dir),
+                             "--port", "0"], env={**os.environ, "REFENGINE_FAULT": "no-such-fault"},
+                            capture_output=True, text=True, timeout=DEADLINE_S)
+    assert result.returncode == 2 and "no-such-fault" in result.stderr and len(result.stderr.splitlines()) == 1
