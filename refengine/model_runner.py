@@ -1,0 +1,106 @@
+"""The batched float32 forward: one pass per step over every scheduled token of every sequence.
+
+Tokens of all scheduled chunks are flattened into one [num_tokens, hidden] activation, so each
+weight matrix is read once per step. Keys and values go into a paged cache through the slot mapping;
+each chunk then attends over its own sequence's blocks. Logits are computed only for the rows that
+sample a token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .engine_config import EngineConfig
+from .kernels import (apply_rope, attend_fast, attend_invariant, linear_fast, linear_invariant, rms_norm,
+                      rope_tables, silu)
+from .model import Model
+from .scheduler import ScheduledChunk
+
+
+def _concat(*parts):
+    present = [p for p in parts if p is not None]
+    return np.ascontiguousarray(np.concatenate(present)) if present else None
+
+
+@dataclass(frozen=True)
+class RunnerLayer:
+    """One decoder layer with q/k/v and gate/up fused, so each is one product per step."""
+    input_norm: np.ndarray
+    qkv: np.ndarray                # [q_size + 2 * kv_size, hidden]
+    qkv_bias: np.ndarray | None
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    o_proj: np.ndarray             # [hidden, q_size]
+    o_bias: np.ndarray | None
+    post_norm: np.ndarray
+    gate_up: np.ndarray            # [2 * intermediate, hidden]
+    gate_up_bias: np.ndarray | None
+    down: np.ndarray               # [hidden, intermediate]
+    down_bias: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(self, model: Model, config: EngineConfig):
+        cfg = model.config
+        self.cfg = cfg
+        weights = model.weights(np.float32)
+        self.layers = [RunnerLayer(
+            input_norm=w.input_norm, qkv=_concat(w.q_proj, w.k_proj, w.v_proj),
+            qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
+            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=w.o_proj, o_bias=w.o_bias, post_norm=w.post_norm,
+            gate_up=_concat(w.gate_proj, w.up_proj),
+            gate_up_bias=_concat(w.gate_bias, w.up_bias),
+            down=w.down_proj, down_bias=w.down_bias) for w in weights.layers]
+        self.embed, self.norm, self.lm_head = weights.embed, weights.norm, weights.lm_head
+        self.linear = linear_invariant if config.mode == "invariant" else linear_fast
+        self.attend = attend_invariant if config.mode == "invariant" else attend_fast
+        self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
+        cache_shape = (cfg.num_layers, config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # np.zeros maps untouched pages lazily, so a generous pool costs memory only as it fills.
+        self.k_cache = np.zeros(cache_shape, dtype=np.float32)
+        self.v_cache = np.zeros(cache_shape, dtype=np.float32)
+
+    def _project(self, x, weight, bias):
+        y = self.linear(x, weight)
+        return y if bias is None else y + bias
+
+    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> np.ndarray:
+        """Run one forward over `chunks`; returns float32 logits [num sampling chunks, vocab]."""
+        cfg = self.cfg
+        ids = np.concatenate([np.asarray(c.seq.token_ids[c.start:c.end], dtype=np.int64) for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.end) for c in chunks])
+        slots = np.concatenate([block_manager.slot_mapping(c.seq.block_table, c.start, c.end) for c in chunks])
+        context_slots = [block_manager.slot_mapping(c.seq.block_table, 0, c.end) for c in chunks]
+        offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
+        cos, sin = self.cos[positions], self.sin[positions]
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        num_tokens, q_size, kv_size = len(ids), cfg.q_size, cfg.kv_size
+
+        x = self.embed[ids]                                                       # [tokens, hidden]
+        for layer, w in enumerate(self.layers):
+            qkv = self._project(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+            q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache = self.k_cache[layer].reshape(-1, cfg.num_kv_heads, cfg.head_dim)  # [slots, KVH, D] view
+            v_cache = self.v_cache[layer].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            k_cache[slots], v_cache[slots] = k, v
+            attended = np.empty((num_tokens, q_size), dtype=np.float32)
+            for chunk, context, lo, hi in zip(chunks, context_slots, offsets[:-1], offsets[1:]):
+                attended[lo:hi] = self.attend(q[lo:hi], k_cache[context], v_cache[context], chunk.start, scale)
+            x = x + self._project(attended, w.o_proj, w.o_bias)
+            gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
+            half = gate_up.shape[1] // 2
+            x = x + self._project(silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
+
+        sampling_rows = [hi - 1 for chunk, hi in zip(chunks, offsets[1:]) if chunk.samples]
+        if not sampling_rows:
+            return np.empty((0, cfg.vocab_size), dtype=np.float32)
+        final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
+        return np.ascontiguousarray(self.linear(final, self.lm_head))

@@ -1,0 +1,90 @@
+"""The paged KV pool's bookkeeping: allocation, slot mapping, freeing, and the invariant checker."""
+import random
+
+import numpy as np
+import pytest
+
+from refengine.block_manager import BlockManager, BlockTable
+
+
+def test_allocate_grows_table_to_cover_tokens_and_free_returns_everything():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    table = BlockTable("a")
+    manager.allocate(table, 5)
+    assert len(table) == 2 and manager.num_used_blocks == 2
+    manager.allocate(table, 8)  # still fits in two blocks
+    assert len(table) == 2
+    manager.allocate(table, 9)
+    assert len(table) == 3 and manager.num_free_blocks == 7
+    manager.check_invariants()
+    manager.free(table)
+    assert len(table) == 0 and manager.num_free_blocks == 10
+    manager.check_invariants([table])
+
+
+def test_slot_mapping_follows_the_block_table():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    other, table = BlockTable("other"), BlockTable("t")
+    manager.allocate(other, 4)  # takes a block so `table` does not start at block 0
+    manager.allocate(table, 10)
+    expected = [table.block_ids[p // 4] * 4 + p % 4 for p in range(10)]
+    assert manager.slot_mapping(table, 0, 10).tolist() == expected
+    assert manager.slot_mapping(table, 3, 7).tolist() == expected[3:7]
+    assert not set(expected) & set(manager.slot_mapping(other, 0, 4).tolist())
+
+
+def test_pool_exhaustion_is_refused_not_overcommitted():
+    manager = BlockManager(num_blocks=3, block_size=2)
+    a, b = BlockTable("a"), BlockTable("b")
+    manager.allocate(a, 4)
+    assert manager.can_allocate(b, 2) and not manager.can_allocate(b, 3)
+    with pytest.raises(RuntimeError, match="b"):
+        manager.allocate(b, 3)
+    assert len(b) == 0
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda m, t: m.free_block_ids.append(t.block_ids[0]), "both free and used"),
+    (lambda m, t: m.free_block_ids.append(m.free_block_ids[0]), "twice"),
+    (lambda m, t: m.free_block_ids.popleft(), "free .* \\+ used"),
+    (lambda m, t: t.block_ids.append(t.block_ids[0]), "refcount"),
+])
+def test_check_invariants_catches_corruption(corrupt, message):
+    manager = BlockManager(num_blocks=5, block_size=2)
+    table = BlockTable("t")
+    manager.allocate(table, 3)
+    manager.check_invariants()
+    corrupt(manager, table)
+    with pytest.raises(AssertionError, match=message):
+        manager.check_invariants()
+
+
+def test_check_invariants_catches_a_finished_table_holding_blocks():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    table = BlockTable("done")
+    manager.allocate(table, 2)
+    with pytest.raises(AssertionError, match="done"):
+        manager.check_invariants([table])
+
+
+def test_random_allocate_free_sequences_keep_the_accounting_exact():
+    rng = random.Random(0)
+    manager = BlockManager(num_blocks=16, block_size=3)
+    live: dict[str, tuple[BlockTable, int]] = {}
+    for n in range(2000):
+        if live and rng.random() < 0.3:
+            owner = rng.choice(sorted(live))
+            manager.free(live.pop(owner)[0])
+        else:
+            owner = rng.choice(sorted(live)) if live and rng.random() < 0.6 else f"s{n}"
+            table, tokens = live.get(owner, (BlockTable(owner), 0))
+            tokens += rng.randint(1, 7)
+            if manager.can_allocate(table, tokens):
+                manager.allocate(table, tokens)
+                live[owner] = (table, tokens)
+        manager.check_invariants()
+        slots = [manager.slot_mapping(t, 0, k) for t, k in live.values()]
+        all_slots = np.concatenate(slots) if slots else np.empty(0)
+        assert len(set(all_slots.tolist())) == len(all_slots), "two live tokens share a cache slot"
+        assert manager.num_used_blocks == sum(manager.blocks_for(k) for _, k in live.values())

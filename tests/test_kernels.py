@@ -1,0 +1,33 @@
+"""The invariant kernels: a row's result is the same bits whatever rows share the call."""
+import numpy as np
+import pytest
+
+from refengine.kernels import attend_fast, attend_invariant, linear_fast, linear_invariant
+
+
+@pytest.mark.parametrize("out_features, in_features", [(4096, 256), (1000, 96), (48, 64)])
+def test_linear_invariant_rows_do_not_depend_on_the_batch(out_features, in_features):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
+    x = rng.standard_normal((37, in_features), dtype=np.float32)
+    alone = np.concatenate([linear_invariant(x[i:i + 1], weight) for i in range(len(x))])
+    for _ in range(5):
+        order = rng.permutation(len(x))[:rng.integers(2, len(x) + 1)]
+        assert np.array_equal(linear_invariant(x[order], weight), alone[order])
+    exact = x.astype(np.float64) @ weight.T.astype(np.float64)
+    assert np.allclose(alone, exact, rtol=1e-4, atol=1e-4)
+    assert np.allclose(linear_fast(x, weight), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_attend_invariant_is_independent_of_chunking_and_matches_the_masked_form():
+    rng = np.random.default_rng(1)
+    heads, kv_heads, head_dim, length = 8, 2, 16, 29
+    q = rng.standard_normal((length, heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((length, kv_heads, head_dim), dtype=np.float32)
+    v = rng.standard_normal((length, kv_heads, head_dim), dtype=np.float32)
+    scale = 1 / np.sqrt(head_dim)
+    one_by_one = np.concatenate([attend_invariant(q[t:t + 1], k[:t + 1], v[:t + 1], t, scale) for t in range(length)])
+    for cuts in ([0, 29], [0, 5, 6, 20, 29], [0, 13, 29]):
+        chunked = np.concatenate([attend_invariant(q[a:b], k[:b], v[:b], a, scale) for a, b in zip(cuts, cuts[1:])])
+        assert np.array_equal(chunked, one_by_one)
+    assert np.allclose(attend_fast(q, k, v, 0, scale), one_by_one, atol=1e-5)
