@@ -1,0 +1,175 @@
+"""Golden files: the committed ones pass `golden check` in both modes, refresh reproduces them byte
+for byte, and a wrong model, a tampered token or a killed refresh are caught."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refengine.calibrate import calibrate
+from refengine.cli import main
+from refengine.errors import RefengineError
+from refengine.faults import ENV_VAR as FAULT_ENV
+from refengine.golden import load_prompts, read_golden, refresh
+from refengine.golden_check import check
+from refengine.model import load_model
+from refengine.tiny import TinySpec, make_tiny
+
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+PROMPTS = GOLDEN_DIR / "prompts" / "seed-experiment.jsonl"
+# Each committed golden file and the tiny model it was made from (`refengine make-tiny DIR [flags]`).
+GOLDEN_MODELS = {
+    "tiny-default": TinySpec(),                              # refengine make-tiny DIR
+    "tiny-qwen2-untied": TinySpec(arch="qwen2", tie=False),  # refengine make-tiny DIR --arch qwen2 --no-tie
+}
+
+
+@pytest.fixture(scope="module", params=list(GOLDEN_MODELS))
+def golden_model(request, tmp_path_factory):
+    """(golden path, model folder); with --update-golden the committed file is refreshed first."""
+    name = request.param
+    model_dir = make_tiny(tmp_path_factory.mktemp(name), GOLDEN_MODELS[name])
+    path = GOLDEN_DIR / f"{name}.jsonl"
+    if request.config.getoption("--update-golden"):
+        model = load_model(model_dir)
+        refresh(model, PROMPTS, load_prompts(PROMPTS), path, calibrate(model))
+    return path, model_dir
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("other"), TinySpec(), seed=1)
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+def test_committed_golden_file_passes_check(golden_model, mode, capsys):
+    path, model_dir = golden_model
+    assert main(["golden", "check", str(path), "--model", str(model_dir), "--mode", mode]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    golden, model = read_golden(path), load_model(model_dir)
+    for seed in (1, 2, 3):
+        result = check(golden, model, mode, seed, max_num_seqs=8)
+        assert result.passed, result.report()
+        assert set(result.verdicts) == {c.id for c in golden.cases}
+        # the cases really shared steps, and some joined while others were decoding
+        assert max(result.batch_sizes) > 1
+        assert any({s["phase"] for s in step["scheduled"]} == {"prefill", "decode"} for step in result.trace)
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("fault", ["position-off-by-one-on-join", "logits-rows-misassigned-after-leave"])
+def test_check_catches_a_batching_only_fault_because_its_schedule_batches(golden_model, fault, monkeypatch, capsys):
+    """These bugs need a request joining or leaving a running batch: one at a time they are invisible."""
+    path, model_dir = golden_model
+    monkeypatch.setenv(FAULT_ENV, fault)
+    check_args = ["golden", "check", str(path), "--model", str(model_dir)]
+    assert main(check_args + ["--max-num-seqs", "1"]) == 0
+    assert main(check_args) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAIL")
+
+
+def test_prompt_set_mirrors_the_seed_experiment():
+    cases = load_prompts(PROMPTS)
+    short = [c for c in cases if c.max_tokens <= 6]
+    long = [c for c in cases if c.max_tokens >= 64]
+    assert len(short) == 8 and all(c.messages and c.max_tokens >= 2 for c in short)
+    assert len(long) >= 3 and len(short) + len(long) == len(cases)
+
+
+def test_refresh_is_byte_identical(golden_model, tmp_path):
+    path, model_dir = golden_model
+    out = tmp_path / path.name
+    assert main(["golden", "refresh", "--model", str(model_dir), "--prompts", str(PROMPTS), "--out", str(out)]) == 0
+    assert out.read_bytes() == path.read_bytes()
+
+
+def test_golden_header_records_how_the_model_was_made(golden_model):
+    path, model_dir = golden_model
+    header = read_golden(path).header
+    assert header["model_fingerprint"] == load_model(model_dir).fingerprint
+    spec = {k: v for k, v in header["tiny_model"].items() if k not in ("seed", "dtype", "shards")}
+    assert TinySpec(**spec) == GOLDEN_MODELS[path.stem]
+    assert header["precision"] == "f64" and set(header["noise"]) >= {"f32_vs_f64", "safety_factor"}
+
+
+def test_a_golden_file_from_another_model_is_refused(golden_model, other_model_dir, capsys):
+    path, _ = golden_model
+    assert main(["golden", "check", str(path), "--model", str(other_model_dir)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert "fingerprint mismatch" in captured.err and str(path) in captured.err
+
+
+def test_a_tampered_high_margin_token_fails_with_a_readable_diff(golden_model, tmp_path, capsys):
+    path, model_dir = golden_model
+    lines = path.read_text(encoding="utf-8").splitlines()
+    cases = [json.loads(line) for line in lines[1:]]
+    case, step = max(((c, s) for c in cases for s in range(len(c["margins"]))), key=lambda cs: cs[0]["margins"][cs[1]])
+    original = case["token_ids"][step]
+    runner_up = case["top_logprobs"][step][1][0]
+    case["token_ids"][step] = runner_up
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("\n".join([lines[0]] + [json.dumps(c) for c in cases]) + "\n", encoding="utf-8")
+
+    assert main(["golden", "check", str(tampered), "--model", str(model_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"{case['id']}: diverged at step {step}: expected token {runner_up} " in out
+    assert f", got {original} " in out and f"golden top-2 margin {case['margins'][step]:.6g} > tolerance" in out
+    assert "diverged 1" in out and out.rstrip().endswith("FAIL")
+
+
+def test_a_killed_refresh_leaves_the_old_file_intact(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"story {i}", "max_tokens": 128}) + "\n"
+                               for i in range(200)))
+    calibration = tmp_path / "noise.json"
+    calibration.write_text(json.dumps(read_golden(GOLDEN_DIR / "tiny-default.jsonl").header["noise"]))
+    out = tmp_path / "golden" / "old.jsonl"
+    out.parent.mkdir()
+    out.write_text("the old golden file\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "refengine", "golden", "refresh", "--model", str(tiny_model_dir),
+         "--prompts", str(prompts), "--out", str(out), "--calibration", str(calibration)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        progress = b""
+        while not re.search(rb"\| *([1-9]|[1-9]\d|1\d\d)/200 ", progress):  # tqdm: some cases done, not all
+            chunk = os.read(process.stderr.fileno(), 4096)
+            assert chunk, "refresh exited before reporting progress"
+            progress += chunk
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait(60)
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+    assert out.read_text() == "the old golden file\n"
+    assert [p.name for p in out.parent.iterdir()] == ["old.jsonl"]
+
+
+@pytest.mark.parametrize("line, error", [
+    ('{"id": "a", "prompt": "x"}', "'max_tokens' must be a positive integer"),
+    ('{"id": "a", "prompt": "x", "messages": [], "max_tokens": 2}', "exactly one of 'prompt'"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 2, "temprature": 0}', "unknown key(s) temprature"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 2}\n{"id": "a", "prompt": "y", "max_tokens": 2}', "duplicate id 'a'"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 2', "invalid JSON"),
+])
+def test_bad_prompt_files_name_the_line(tmp_path, line, error):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(RefengineError) as excinfo:
+        load_prompts(path)
+    assert str(path) + ":" in str(excinfo.value) and error in str(excinfo.value)
+
+
+def test_a_file_that_is_not_golden_is_refused(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(PROMPTS.read_text())
+    with pytest.raises(RefengineError, match="not a golden file header"):
+        read_golden(path)

@@ -1,0 +1,245 @@
+"""`refengine validate`: the margin rule on real golden data (token ids and text alignment), the
+random schedule, and end to end over real HTTP against `refengine serve`, healthy and faulty."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from refengine.cli import main
+from refengine.errors import RefengineError
+from refengine.faults import FAULTS
+from refengine.golden import read_golden
+from refengine.margin_rule import judge_ids, judge_text
+from refengine.validate import Settings, plan
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "tiny-default.jsonl"
+DEADLINE_S = 60
+FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one KV block, batched or not
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return read_golden(GOLDEN)
+
+
+# --- the margin rule by token ids -----------------------------------------------------------------
+def test_ids_equal_to_golden_match(golden):
+    for case in golden.cases:
+        verdict = judge_ids(case, case.token_ids, case.text, golden.tolerance)
+        assert verdict.kind == "match" and verdict.compared_by == "token_ids"
+
+
+def test_ids_flipped_at_a_near_tie_are_explained_only_within_tolerance(golden):
+    case, step = min(((c, s) for c in golden.cases for s in range(len(c.token_ids))), key=lambda cs: cs[0].margins[cs[1]])
+    runner_up = case.top_logprobs[step][1][0]
+    got = case.token_ids[:step] + [runner_up] + [0] * 5  # whatever follows a flip is not compared
+    explained = judge_ids(case, got, "", tolerance=case.margins[step])
+    assert (explained.kind, explained.step, explained.expected, explained.got) == \
+        ("explained", step, case.token_ids[step], runner_up)
+    assert explained.margin == case.margins[step]
+    assert judge_ids(case, got, "", tolerance=case.margins[step] * 0.99).kind == "diverged"
+
+
+def test_ids_longer_or_shorter_than_golden_diverge(golden):
+    case = golden.cases[0]
+    longer = judge_ids(case, case.token_ids + [7], case.text, tolerance=1e9)
+    assert (longer.kind, longer.step, longer.margin, longer.got) == ("diverged", len(case.token_ids), None, 7)
+    shorter = judge_ids(case, case.token_ids[:-1], case.text, tolerance=0.0)
+    assert (shorter.kind, shorter.step, shorter.got) == ("diverged", len(case.token_ids) - 1, None)
+
+
+# --- the margin rule by text alignment ------------------------------------------------------------
+def test_text_equal_to_golden_matches(golden):
+    for case in golden.cases:
+        assert judge_text(case, case.text, golden.tolerance).kind == "match"
+
+
+def test_text_beyond_the_golden_answer_diverges(golden):
+    case = golden.cases[0]
+    verdict = judge_text(case, case.text + "more", tolerance=1e9)
+    assert (verdict.kind, verdict.step, verdict.margin) == ("diverged", len(case.token_ids), None)
+
+
+def visible_steps(golden):
+    """(case, step) where the step's token settles text of its own, as does the one before it."""
+    return [(c, s) for c in golden.cases for s in range(1, len(c.token_ids)) if c.piece(s) and c.piece(s - 1)]
+
+
+def test_text_changed_at_a_token_diverges_at_that_token(golden):
+    case, step = max(visible_steps(golden), key=lambda cs: cs[0].margins[cs[1]])
+    settled = case.text_before(step)
+    other = "#" if case.text[len(settled)] != "#" else "$"
+    verdict = judge_text(case, settled + other + "tail", tolerance=golden.tolerance)
+    assert (verdict.kind, verdict.step, verdict.compared_by) == ("diverged", step, "text")
+    assert verdict.expected_text.startswith(case.piece(step)) and verdict.got_text == other + "tail"
+    explained = judge_text(case, settled + other, tolerance=case.margins[step])
+    assert (explained.kind, explained.step) == ("explained", step)
+
+
+def test_text_divergence_can_be_blamed_on_a_token_that_showed_no_text(golden):
+    """A token holding half a UTF-8 character shows nothing; if the text parts at the next visible
+    token, the flip may have happened at either, so a near-tie at the silent one explains it."""
+    candidates = [(c, s) for c in golden.cases for s in range(1, len(c.token_ids) - 1)
+                  if not c.piece(s) and c.piece(s - 1) and c.token_ids[s] not in golden.header["generation"]["eos_token_ids"]]
+    assert candidates, "the tiny model's golden data has no token that settled no text"
+    case, silent = candidates[0]
+    visible = next(s for s in range(silent + 1, len(case.token_ids)) if case.piece(s))
+    got = case.text_before(silent) + "#"
+    assert not case.text.startswith(got)
+    blamed = judge_text(case, got, tolerance=case.margins[silent])
+    assert (blamed.kind, blamed.step) == ("explained", silent)
+    strict = min(case.margins[silent:visible + 1]) * 0.99
+    assert (judge_text(case, got, strict).kind, judge_text(case, got, strict).step) == ("diverged", visible)
+
+
+# --- the schedule --------------------------------------------------------------------------------
+def test_schedule_is_seeded_and_mixes_streaming_cancels_and_apis(golden):
+    settings = Settings(seed=5, cancel_rate=0.3, repeat=4)
+    planned = plan(golden, settings)
+    assert planned == plan(golden, settings) and planned != plan(golden, Settings(seed=6, cancel_rate=0.3, repeat=4))
+    assert len(planned) == 4 * len(golden.cases) and len({p.id for p in planned}) == len(planned)
+    cancelled = [p for p in planned if p.cancel_after is not None]
+    assert cancelled and all(p.stream and 1 <= p.cancel_after < len(p.case.token_ids) for p in cancelled)
+    whole = [p for p in planned if p.cancel_after is None]
+    assert {p.stream for p in whole} == {True, False}
+    assert {p.api for p in planned} == {"chat", "completions"}
+    assert all((p.api == "chat") == bool(p.case.messages) for p in planned)
+    assert [p.arrival_s for p in planned] == sorted(p.arrival_s for p in planned)
+
+
+def test_chat_only_api_refuses_a_raw_prompt_case(golden):
+    with pytest.raises(RefengineError, match="raw text prompt"):
+        plan(golden, Settings(api="chat"))
+
+
+# --- end to end over HTTP -------------------------------------------------------------------------
+def wait_until(condition, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def get_json(url: str, path: str):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    except OSError:
+        return None, None
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def serve(tiny_model_dir):
+    """Start `refengine serve` on a free 127.0.0.1 port; yields its URL once /health answers."""
+    processes = []
+
+    def start(*args, fault=None):
+        env = {**os.environ, "REFENGINE_FAULT": fault} if fault else None
+        process = subprocess.Popen(
+            [sys.executable, "-m", "refengine", "serve", "--model", str(tiny_model_dir), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        processes.append(process)
+        line = process.stdout.readline()
+        assert line.startswith("serving http://127.0.0.1:"), line + process.stderr.read()
+        url = line.split()[1]
+        wait_until(lambda: get_json(url, "/health")[0] == 200, "/health")
+        return url
+
+    yield start
+    for process in processes:
+        process.terminate()
+        process.wait(DEADLINE_S)
+        process.stdout.close()
+        process.stderr.close()
+
+
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_seqs, capsys):
+    url = serve("--mode", mode, "--max-num-seqs", str(max_num_seqs))
+    report_path = tmp_path / "report.json"
+    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--concurrency", "8", "--seed", "3",
+                 "--cancel-rate", "0.3", "--repeat", "2", "--arrival-spread", "0.5", "--report", str(report_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    summary, requests = report["summary"], report["requests"]
+    assert summary["passed"] and summary["diverged"] == summary["error"] == 0
+    assert summary["cancelled"] > 0 and summary["match"] > 0
+    compared = [r for r in requests if r["verdict"] in ("match", "explained")]
+    assert {r["streamed"] for r in compared} == {True, False}
+    assert {r["compared_by"] for r in compared} == {"token_ids"}
+    assert len(requests) == 2 * len(read_golden(GOLDEN).cases)
+    assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
+    assert "-> PASS" in out
+
+    wait_until(lambda: get_json(url, "/admin/api/status")[1]["in_flight"] == 0, "every request to leave")
+    status = get_json(url, "/admin/api/status")[1]
+    assert status["running"] == status["waiting"] == status["kv_blocks_used"] == 0
+    assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == len(requests)
+    assert status["requests_aborted"] <= summary["cancelled"]  # a hang-up can come after the last token
+    assert (status["max_batch_active"] > 1) == (max_num_seqs > 1)
+
+
+def test_validate_fails_against_a_server_with_a_fault(serve, tmp_path, capsys):
+    assert FAULT in FAULTS
+    url = serve("--max-num-seqs", "8", fault=FAULT)
+    report_path = tmp_path / "report.json"
+    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--concurrency", "8", "--cancel-rate", "0",
+                 "--report", str(report_path)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    report = json.loads(report_path.read_text())
+    assert not report["summary"]["passed"] and report["summary"]["diverged"] > 0
+    diverged = [r for r in report["requests"] if r["verdict"] == "diverged"]
+    assert all(r["margin"] is None or r["margin"] > report["settings"]["tolerance"] for r in diverged)
+    assert all(r["expected"] != r["got"] for r in diverged)
+    first = diverged[0]
+    assert f"{first['id']}: diverged at step {first['step']}: expected token {first['expected']}, got {first['got']}" in out
+    assert "-> FAIL" in out
+
+
+def test_requests_the_server_refuses_are_errors_and_fail_validation(serve, tmp_path, capsys):
+    url = serve("--max-model-len", "64")  # the long cases' prompt + max_tokens do not fit
+    report_path = tmp_path / "report.json"
+    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--report", str(report_path)])
+    assert code == 1
+    errors = {r["case"]: r["error"] for r in json.loads(report_path.read_text())["requests"] if r["verdict"] == "error"}
+    too_long = {c.id for c in read_golden(GOLDEN).cases if len(c.prompt_ids) + c.max_tokens > 64}
+    assert set(errors) == too_long and all("HTTP 400" in e for e in errors.values())
+    assert "-> FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--cancel-rate", "1"), ("--margin-tolerance", "-1"),
+                                         ("--url", "ftp://127.0.0.1:1"), ("--golden", "no-such-file.jsonl")])
+def test_bad_arguments_are_usage_errors(flag, value, capsys):
+    args = {"--url": "http://127.0.0.1:1", "--golden": str(GOLDEN), flag: value}
+    assert main(["validate", *[x for kv in args.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and (flag in err or value in err)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_server_is_a_usage_error(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["validate", "--url", url, "--golden", str(GOLDEN)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1 and url in captured.err and captured.out == ""
