@@ -8,7 +8,7 @@ import sys
 from .errors import RefengineError
 
 # Each module defines register(subparsers); its parser sets func(args) -> exit code.
-COMMAND_MODULES = ["foundation", "run_schedule", "serve", "golden", "validate", "bench"]
+COMMAND_MODULES = ["foundation", "run_schedule", "serve", "golden", "validate", "bench", "calibrate", "replay", "faults"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -110,6 +110,7 @@ class LLMEngine:
         self._metrics = EngineMetrics()
         self._pending_aborts: list[Sequence] = []
         self._last_batch_size = 0
+        self._finished_last_step = False  # for the fault "logits-rows-misassigned-after-leave"
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
@@ -159,15 +160,23 @@ class LLMEngine:
         sampling = [c for c in output.chunks if c.samples]
         logits = self.runner.execute(output.chunks, self.block_manager) if output.chunks else ()
         self.scheduler.postprocess(output)
+        fault = self.config.fault
+        left = self._finished_last_step or bool(aborted)
+        if fault == "logits-rows-misassigned-after-leave" and left and len(sampling) > 1:
+            logits = np.roll(logits, 1, axis=0)
+        seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
+        leaked_seed = seeds[0] if fault == "seed-leak" and seeds else None
         for chunk, row in zip(sampling, logits):
-            events.append(self._append_token(chunk.seq, row, step))
+            events.append(self._append_token(chunk.seq, row, step, leaked_seed))
+        self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
         self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
         self.num_steps += 1
         return events
 
-    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int) -> TokenEvent:
+    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None) -> TokenEvent:
         params = seq.params
-        token = sample_token(logits, params, len(seq.output_ids))
+        drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
+        token = sample_token(logits, drawn, len(seq.output_ids))
         record = StepRecord(step, token, top2_margin(logits), hashlib.sha256(logits.tobytes()).hexdigest(),
                             top_logprobs(logits, params.logprobs) if params.logprobs > 0 else [],
                             logits.copy() if self.keep_logits else None)

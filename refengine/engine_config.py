@@ -1,10 +1,11 @@
 """The engine's settings, validated once, with defaults derived from the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .config import ModelConfig
 from .errors import RefengineError
+from .faults import check_fault, fault_from_env
 
 MODES = ("fast", "invariant")
 DEFAULT_POOL_TOKENS_PER_SEQ = 2048
@@ -18,7 +19,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None     # None: max_num_seqs sequences of min(max_model_len, 2048) tokens
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    fault: str | None = None          # reserved for the fault catalog; only None is accepted today
+    fault: str | None = field(default_factory=fault_from_env)  # a refengine.faults bug to inject, or None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -29,8 +30,7 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RefengineError(f"{name}: must be a positive integer, got {value!r}")
-        if self.fault is not None:
-            raise RefengineError(f"fault: no fault catalog yet, got {self.fault!r}")
+        check_fault(self.fault)
 
     def resolved(self, model_config: ModelConfig) -> EngineConfig:
         """A copy with every None filled in for this model."""

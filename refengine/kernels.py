@@ -2,10 +2,10 @@
 
 `fast` uses BLAS gemm over all rows at once; a row's result then depends on how many rows share
 the call and where it sits. `invariant` only uses operations whose result for a row depends on that
-row alone: stacked single-row products (one gemv per row) and, in attention, one computation per
-query token over exactly its own prefix of keys -- the same call, with the same shapes and strides,
-that the token would get if its request ran alone. Row-wise norms, exp and elementwise ops are
-invariant in both flavours.
+row alone: gemms of one fixed shape (a 16-row tile of x against a fixed block of weight rows) and,
+in attention, one computation per query token over exactly its own prefix of keys -- the same call,
+with the same shapes and strides, that the token would get if its request ran alone. Row-wise
+norms, exp and elementwise ops are invariant in both flavours.
 """
 from __future__ import annotations
 
@@ -38,21 +38,43 @@ def linear_fast(x, weight):  # x [rows, in], weight [out, in] -> [rows, out]
     return x @ weight.T
 
 
-# Rows of weight per block in linear_invariant: about 512 KB, so a block stays in cache while every
-# row of x is multiplied with it. It depends only on the weight's shape, never on the batch.
-BLOCK_BYTES = 1 << 19
+# linear_invariant multiplies x in tiles of 16 rows: 16 is the row count of OpenBLAS's float32 gemm
+# microkernel on x86-64 (16x4 on Haswell and Zen), so the rows of a tile are the lanes of the same
+# vector registers, each accumulating its own products in the same order whatever the other lanes
+# hold. Padding rows only fill lanes. (tests/test_kernels.py checks this on the machine it runs on.)
+TILE_ROWS = 16
+# Weight rows per block: about 4 MB, so a block stays in cache while every tile of the step passes
+# over it (weight-stationary). Depends only on the weight's shape, never on the batch.
+BLOCK_BYTES = 4 << 20
+# A weight that fits in L2 is cut finer, into blocks OpenBLAS multiplies on one thread (it threads a
+# gemm only above m*n*k = 65536 * GEMM_MULTITHREAD_THRESHOLD): a second thread cannot pay for its
+# wake-up there, and when every core is busy (a test run on all cores) the wake-up costs a whole
+# scheduler slice, milliseconds per call.
+SMALL_WEIGHT_BYTES = 1 << 20
+SINGLE_THREAD_MNK = 65536 * 4
+
+
+def _block_rows(weight) -> int:
+    budget = SINGLE_THREAD_MNK // TILE_ROWS if weight.nbytes <= SMALL_WEIGHT_BYTES else BLOCK_BYTES // 4
+    return max(64, budget // weight.shape[1] // 64 * 64)
 
 
 def linear_invariant(x, weight):
-    """One gemv per row of x and per fixed block of weight rows: each output element comes from the
-    same call on the same data whatever else is in the batch, and each block of the weight is read
-    from memory once per step instead of once per row."""
-    rows_per_block = max(16, BLOCK_BYTES // (4 * weight.shape[1]) // 16 * 16)
-    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    column = x[:, :, None]
-    for lo in range(0, weight.shape[0], rows_per_block):
-        out[:, lo:lo + rows_per_block] = (weight[None, lo:lo + rows_per_block] @ column)[..., 0]
-    return out
+    """x @ weight.T as fixed-shape products: [block of weight rows] @ [16 rows of x]^T, one gemm per
+    tile and block. Every output element comes from a call of the same shape on the same data
+    whatever else is in the batch, and each weight block is read from memory once per step."""
+    rows, size = x.shape
+    tiles = -(-rows // TILE_ROWS)
+    padded = np.zeros((tiles * TILE_ROWS, size), dtype=np.float32)
+    padded[:rows] = x
+    columns = padded.reshape(tiles, TILE_ROWS, size).transpose(0, 2, 1)            # [tiles, in, 16]
+    out = np.empty((tiles, weight.shape[0], TILE_ROWS), dtype=np.float32)
+    block = _block_rows(weight)
+    for lo in range(0, weight.shape[0], block):
+        np.matmul(weight[None, lo:lo + block], columns, out=out[:, lo:lo + block])
+    # C order whatever the row count: a single tile would otherwise come back column-major, and a
+    # reduction over the last axis (the q/k norms) then sums in another order than for one row alone.
+    return np.ascontiguousarray(out.transpose(0, 2, 1).reshape(tiles * TILE_ROWS, weight.shape[0])[:rows])
 
 
 def _softmax_rows(scores):
@@ -89,4 +111,30 @@ def attend_invariant(q, k, v, start, scale):
         values = v[:start + t + 1].transpose(1, 0, 2)                            # [KVH, pos+1, D]
         scores = (q_grouped[t] @ keys) * np.float32(scale)                       # [KVH, G, pos+1]
         out[t] = _softmax_rows(scores) @ values
+    return out.reshape(n, num_heads * head_dim)
+
+
+def attend_decodes_fast(q, k, v, lengths, scale):
+    """One decode query per sequence, all sequences in one product. q [N, H, D] at positions
+    lengths-1; k, v [N, L, KVH, D] hold each sequence's keys, padded (masked) past its length."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, context = k.shape[2], k.shape[1]
+    q_grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)    # [N, KVH, G, D]
+    scores = (q_grouped @ k.transpose(0, 2, 3, 1)) * np.float32(scale)           # [N, KVH, G, L]
+    padding = np.arange(context)[None, :] >= np.asarray(lengths)[:, None]          # [N, L]
+    if padding.any():
+        scores = np.where(padding[:, None, None, :], np.float32(-np.inf), scores)
+    out = _softmax_rows(scores) @ v.transpose(0, 2, 1, 3)                         # [N, KVH, G, D]
+    return out.reshape(n, num_heads * head_dim)
+
+
+def attend_decodes_invariant(q, k, v, scale):
+    """Decodes of sequences whose contexts have the same length L, in one stacked product.
+    q [N, H, D]; k, v [N, L, KVH, D]. Each item is the very product attend_invariant does for its
+    last query (same shapes and strides), so no decode's result depends on the others."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    q_grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)    # [N, KVH, G, D]
+    scores = (q_grouped @ k.transpose(0, 2, 3, 1)) * np.float32(scale)           # [N, KVH, G, L]
+    out = _softmax_rows(scores) @ v.transpose(0, 2, 1, 3)                         # [N, KVH, G, D]
     return out.reshape(n, num_heads * head_dim)

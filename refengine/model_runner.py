@@ -13,8 +13,8 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .engine_config import EngineConfig
-from .kernels import (apply_rope, attend_fast, attend_invariant, linear_fast, linear_invariant, rms_norm,
-                      rope_tables, silu)
+from .kernels import (apply_rope, attend_decodes_fast, attend_decodes_invariant, attend_fast, attend_invariant,
+                      linear_fast, linear_invariant, rms_norm, rope_tables, silu)
 from .model import Model
 from .scheduler import ScheduledChunk
 
@@ -22,6 +22,12 @@ from .scheduler import ScheduledChunk
 def _concat(*parts):
     present = [p for p in parts if p is not None]
     return np.ascontiguousarray(np.concatenate(present)) if present else None
+
+
+def _owned(array):
+    """The runner's own copy of a weight the checkpoint only memory-maps: anonymous memory (with huge
+    pages where the kernel allows) streams faster than the page cache, and no step waits on a page fault."""
+    return array if array is None or array.flags.owndata else np.array(array)
 
 
 @dataclass(frozen=True)
@@ -49,13 +55,16 @@ class ModelRunner:
         self.layers = [RunnerLayer(
             input_norm=w.input_norm, qkv=_concat(w.q_proj, w.k_proj, w.v_proj),
             qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
-            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=w.o_proj, o_bias=w.o_bias, post_norm=w.post_norm,
+            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=_owned(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
             gate_up=_concat(w.gate_proj, w.up_proj),
             gate_up_bias=_concat(w.gate_bias, w.up_bias),
-            down=w.down_proj, down_bias=w.down_bias) for w in weights.layers]
-        self.embed, self.norm, self.lm_head = weights.embed, weights.norm, weights.lm_head
-        self.linear = linear_invariant if config.mode == "invariant" else linear_fast
-        self.attend = attend_invariant if config.mode == "invariant" else attend_fast
+            down=_owned(w.down_proj), down_bias=w.down_bias) for w in weights.layers]
+        self.embed, self.norm = _owned(weights.embed), weights.norm
+        self.lm_head = self.embed if weights.lm_head is weights.embed else _owned(weights.lm_head)
+        self.invariant = config.mode == "invariant"
+        self.linear = linear_invariant if self.invariant else linear_fast
+        self.attend = attend_invariant if self.invariant else attend_fast
+        self.fault, self.block_size = config.fault, config.block_size
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         cache_shape = (cfg.num_layers, config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         # np.zeros maps untouched pages lazily, so a generous pool costs memory only as it fills.
@@ -70,10 +79,15 @@ class ModelRunner:
         """Run one forward over `chunks`; returns float32 logits [num sampling chunks, vocab]."""
         cfg = self.cfg
         ids = np.concatenate([np.asarray(c.seq.token_ids[c.start:c.end], dtype=np.int64) for c in chunks])
-        positions = np.concatenate([np.arange(c.start, c.end) for c in chunks])
+        joined = [i > 0 and c.start == 0 and self.fault == "position-off-by-one-on-join" for i, c in enumerate(chunks)]
+        positions = np.concatenate([np.arange(c.start, c.end) + shift for c, shift in zip(chunks, joined)])
         slots = np.concatenate([block_manager.slot_mapping(c.seq.block_table, c.start, c.end) for c in chunks])
-        context_slots = [block_manager.slot_mapping(c.seq.block_table, 0, c.end) for c in chunks]
+        if self.fault == "kv-write-block-boundary-off-by-one":
+            slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
         offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
+        decode_groups = self._decode_groups(chunks, offsets, block_manager)
+        others = [(c, block_manager.slot_mapping(c.seq.block_table, 0, c.end), lo, hi)
+                  for c, lo, hi in zip(chunks, offsets[:-1], offsets[1:]) if c.phase != "decode"]
         cos, sin = self.cos[positions], self.sin[positions]
         scale = 1.0 / np.sqrt(cfg.head_dim)
         num_tokens, q_size, kv_size = len(ids), cfg.q_size, cfg.kv_size
@@ -92,8 +106,15 @@ class ModelRunner:
             v_cache = self.v_cache[layer].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache[slots], v_cache[slots] = k, v
             attended = np.empty((num_tokens, q_size), dtype=np.float32)
-            for chunk, context, lo, hi in zip(chunks, context_slots, offsets[:-1], offsets[1:]):
-                attended[lo:hi] = self.attend(q[lo:hi], k_cache[context], v_cache[context], chunk.start, scale)
+            for rows, context, lengths in decode_groups:
+                keys, values = np.take(k_cache, context, axis=0), np.take(v_cache, context, axis=0)
+                attended[rows] = (attend_decodes_invariant(q[rows], keys, values, scale) if self.invariant
+                                  else attend_decodes_fast(q[rows], keys, values, lengths, scale))
+            for chunk, context, lo, hi in others:
+                past = chunk.start
+                if self.fault == "chunked-prefill-past-off-by-one" and chunk.phase == "prefill" and past > 0:
+                    past -= 1
+                attended[lo:hi] = self.attend(q[lo:hi], k_cache[context], v_cache[context], past, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
             half = gate_up.shape[1] // 2
@@ -104,3 +125,20 @@ class ModelRunner:
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
         final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
         return np.ascontiguousarray(self.linear(final, self.lm_head))
+
+    def _decode_groups(self, chunks, offsets, block_manager) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Decode chunks batched for attention: (their rows, context slots [N, L], context lengths).
+        Fast mode takes all of them at once, padded to the longest context; invariant mode groups equal
+        context lengths, so every stacked item has exactly the shapes its decode would have alone."""
+        groups: dict[int | None, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            if chunk.phase == "decode":
+                groups.setdefault(chunk.end if self.invariant else None, []).append(i)
+        batches = []
+        for members in groups.values():
+            lengths = np.array([chunks[i].end for i in members])
+            context = np.zeros((len(members), lengths.max()), dtype=np.int64)  # padding reads slot 0, masked
+            for row, i in enumerate(members):
+                context[row, :lengths[row]] = block_manager.slot_mapping(chunks[i].seq.block_table, 0, lengths[row])
+            batches.append((offsets[members], context, lengths))
+        return batches

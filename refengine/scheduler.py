@@ -50,6 +50,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.fault = config.fault
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,7 +81,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = min(self._remaining(seq), budget)
             while not self.block_manager.can_allocate(seq.block_table, seq.num_computed_tokens + num_tokens):
                 victim = self.running.pop()
                 self.preempt(victim)
@@ -94,7 +95,7 @@ class Scheduler:
             index += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = min(self._remaining(seq), budget)
             if not self.block_manager.can_allocate(seq.block_table, num_tokens):
                 break
             self.waiting.popleft()
@@ -104,6 +105,13 @@ class Scheduler:
             budget -= num_tokens
         return SchedulerOutput(chunks, preempted)
 
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""
+        if self.fault == "no-recompute-on-resume" and seq.num_preemptions and \
+                seq.num_computed_tokens < seq.num_prompt_tokens:
+            return seq.num_prompt_tokens - seq.num_computed_tokens
+        return seq.num_tokens - seq.num_computed_tokens
+
     def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         self.block_manager.allocate(seq.block_table, start + num_tokens)
@@ -111,7 +119,10 @@ class Scheduler:
         return ScheduledChunk(seq, start, num_tokens, phase)
 
     def preempt(self, seq: Sequence) -> None:
+        freed = list(seq.block_table.block_ids)
         self.block_manager.free(seq.block_table)
+        if self.fault == "stale-block-table-after-preemption":
+            seq.block_table.block_ids = freed
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -120,12 +131,16 @@ class Scheduler:
     def postprocess(self, output: SchedulerOutput) -> None:
         """The step's forward has written these tokens' KV."""
         for chunk in output.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            if self.fault == "no-recompute-on-resume" and seq.num_preemptions and chunk.end == seq.num_prompt_tokens:
+                seq.num_computed_tokens = max(chunk.end, seq.num_tokens - 1)  # skips the generated tokens' KV
 
     def finish(self, seq: Sequence, reason: str, step: int) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
+        if not (self.fault == "abort-leaks-blocks" and reason == "abort"):
+            self.block_manager.free(seq.block_table)
         seq.finish(reason, step)

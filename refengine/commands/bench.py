@@ -1,0 +1,162 @@
+"""bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline."""
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+
+from ..bench import batch_sweep, preset_model_dir, random_requests, reference_refresh
+from ..bench_kestrel import run_kestrel
+from ..default_model import default_model_dir
+from ..engine_config import MODES
+from ..errors import RefengineError
+from ..model import load_model
+from ..roofline import Roofline, measure_machine
+from ..tiny import PRESETS
+from .common import parse_ids, print_json
+
+SCENARIOS = ("decode", "kestrel", "reference")
+GOALS = {"fast": 5.0, "invariant": 3.0}  # batched decode throughput / serial, at the largest batch
+BATCH1_GOAL = 1.4                        # batch-1 decode step / (weight bytes / bandwidth)
+
+
+def _decode(model, args, modes, machine, roofline) -> dict:
+    batch_sizes = sorted(set(parse_ids(args.batch_sizes, "--batch-sizes") if args.batch_sizes else [1])
+                         | {args.requests})
+    if min(batch_sizes) < 1:
+        raise RefengineError(f"--batch-sizes: batch sizes must be positive, got {args.batch_sizes!r}")
+    sweep = batch_sweep(model, modes, batch_sizes, args.prompt_len, args.max_tokens, args.serial_requests)
+    serial = sweep["fast"][1]
+    rows = []
+    for mode, runs in sweep.items():
+        for batch, stats in sorted(runs.items()):
+            bound = roofline.step_seconds(batch, stats.mean_decode_context)
+            rows.append(stats.to_json() | {
+                "batch": batch, "vs_serial": stats.decode_tok_s / serial.decode_tok_s,
+                "roofline_step_ms": bound * 1e3, "roofline_tok_s": batch / bound,
+                "roofline_fraction": bound * 1e3 / stats.decode_step_ms["p50"]})
+    goals = {mode: {"ratio": sweep[mode][args.requests].decode_tok_s / serial.decode_tok_s, "goal": GOALS[mode]}
+             for mode in modes}
+    batch1 = serial.decode_step_ms["p50"] / 1e3 / (roofline.weight_bytes / machine.bandwidth)
+    goals["batch1_step_vs_weight_read"] = {"ratio": batch1, "goal": BATCH1_GOAL}
+    result = {"rows": rows, "goals": goals, "serial_requests": args.serial_requests,
+              "sweep": {mode: {str(b): s.to_json() for b, s in runs.items()} for mode, runs in sweep.items()}}
+    if args.hf:
+        from ..bench_hf import hf_available, hf_decode
+        if not hf_available():
+            raise RefengineError("--hf: needs torch and transformers (pip install 'refengine[parity]')")
+        hf = {"batched": hf_decode(model.path, random_requests(model, args.requests, args.prompt_len, args.max_tokens)),
+              "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len, args.max_tokens))}
+        hf["engine_vs_hf"] = {"batched_fast": sweep["fast"][args.requests].decode_tok_s / hf["batched"]["decode_tok_s"],
+                              "serial": serial.decode_tok_s / hf["serial"]["decode_tok_s"]}
+        if "invariant" in sweep:
+            hf["engine_vs_hf"]["batched_invariant"] = (sweep["invariant"][args.requests].decode_tok_s
+                                                       / hf["batched"]["decode_tok_s"])
+        result["hf"] = hf
+    if args.plot:
+        from ..bench_plot import plot_sweep
+        context = float(np.mean([s.mean_decode_context for runs in sweep.values() for s in runs.values()]))
+        title = (f"{model.path.name}: {roofline.parameters / 1e6:.0f}M params, prompt {args.prompt_len}, "
+                 f"{args.max_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
+                 f"sgemm {machine.sgemm_flops / 1e9:.0f} GFLOP/s")
+        result["plot"] = str(plot_sweep(args.plot, result["sweep"], roofline, context, title))
+    return result
+
+
+def _print_decode(result: dict) -> None:
+    print(f"{'B':>3} {'mode':<9} {'tok/s':>8} {'step p50':>9} {'p90':>8} {'p99':>8} {'TTFT s':>7} "
+          f"{'TPOT ms':>8} {'x serial':>8} {'roofline ms':>11} {'% roof':>6}")
+    for row in sorted(result["rows"], key=lambda r: (r["batch"], r["mode"])):
+        step = row["decode_step_ms"]
+        print(f"{row['batch']:>3} {row['mode']:<9} {row['decode_tok_s']:>8.1f} {step['p50']:>9.1f} {step['p90']:>8.1f} "
+              f"{step['p99']:>8.1f} {row['ttft_s_mean']:>7.2f} {(row['tpot_s_mean'] or 0) * 1e3:>8.1f} "
+              f"{row['vs_serial']:>8.2f} {row['roofline_step_ms']:>11.1f} {100 * row['roofline_fraction']:>5.0f}%")
+    print(f"(B=1 rows: {result['serial_requests']} requests one after another; serial = B=1 fast)")
+    for name, goal in result["goals"].items():
+        met = goal["ratio"] >= goal["goal"] if name in GOALS else goal["ratio"] <= goal["goal"]
+        print(f"goal {name}: {goal['ratio']:.2f}x (goal {'>=' if name in GOALS else '<='} {goal['goal']}x) "
+              f"{'met' if met else 'NOT met'}")
+    if "hf" in result:
+        hf = result["hf"]
+        print(f"HF transformers (torch {hf['batched']['torch']}, {hf['batched']['torch_threads']} threads): "
+              f"batched {hf['batched']['decode_tok_s']:.1f} tok/s, serial {hf['serial']['decode_tok_s']:.1f} tok/s; "
+              + ", ".join(f"engine {k} / HF = {v:.2f}x" for k, v in hf["engine_vs_hf"].items()))
+    if "plot" in result:
+        print(f"plot: {result['plot']}")
+
+
+def _print_kestrel(result: dict) -> None:
+    for workload, data in result.items():
+        runs = data["runs"]
+        print(f"kestrel {workload}: max_tokens {data['max_tokens']}, prompts {data['prompt_tokens']} tokens")
+        for name, run in runs.items():
+            speedup = "" if name == "serial" else f"  batched speedup {data['batched_speedup'][name]:.2f}x"
+            print(f"  {name:<9} wall {run['wall_s']:7.2f} s  mean latency {run['latency_s_mean']:6.2f} s  "
+                  f"mean TTFT {run['ttft_s_mean']:6.2f} s{speedup}")
+        predicted = data["predicted_s"]
+        print(f"  roofline model: serial {predicted['serial']:.2f} s, batched {predicted['batched']:.2f} s "
+              f"({predicted['serial'] / predicted['batched']:.2f}x)")
+
+
+def run(args) -> int:
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    scenarios = [s.strip() for s in args.scenario.split(",") if s.strip()]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown or not scenarios:
+        raise RefengineError(f"--scenario: expected a comma list of {', '.join(SCENARIOS)}, got {args.scenario!r}")
+    for flag in ("requests", "prompt_len", "max_tokens", "serial_requests"):
+        if getattr(args, flag) < 1:
+            raise RefengineError(f"--{flag.replace('_', '-')}: must be a positive integer, got {getattr(args, flag)}")
+    model_dir = args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir())
+    model = load_model(model_dir)
+    machine = measure_machine()
+    roofline = Roofline.of(model.config, machine)
+    report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
+              "machine": machine.to_json() | {"cpu": platform.processor() or platform.machine()},
+              "numpy": np.__version__, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
+                                                    "max_tokens": args.max_tokens}}
+    if "decode" in scenarios:
+        report["decode"] = _decode(model, args, modes, machine, roofline)
+    if "kestrel" in scenarios:
+        report["kestrel"] = run_kestrel(model, roofline, modes, args.max_tokens)
+    if "reference" in scenarios:
+        report["reference"] = reference_refresh(model.path, machine)
+    report["load_average_after"] = os.getloadavg()[0]
+    if args.json:
+        print_json(report)
+        return 0
+    print(f"model {report['model']}: {roofline.parameters:,} streamed params, f32 weights "
+          f"{roofline.weight_bytes / 1e9:.2f} GB")
+    print(f"machine: streaming read {machine.bandwidth_1thread / 1e9:.1f} GB/s (1 thread), "
+          f"{machine.bandwidth_all / 1e9:.1f} GB/s ({machine.threads} threads); sgemm {machine.sgemm_flops / 1e9:.0f} "
+          f"GFLOP/s; weight read {roofline.weight_bytes / machine.bandwidth * 1e3:.1f} ms; "
+          f"load average {machine.load_average:.2f} before, {report['load_average_after']:.2f} after")
+    if "decode" in report:
+        _print_decode(report["decode"])
+    if "kestrel" in report:
+        _print_kestrel(report["kestrel"])
+    if "reference" in report:
+        ref = report["reference"]
+        print(f"float64 reference decode: {ref['decode_s_per_token'] * 1e3:.0f} ms/token vs roofline "
+              f"{ref['roofline_s_per_token'] * 1e3:.0f} ms (f64 weights {ref['weight_bytes'] / 1e9:.2f} GB): "
+              f"{100 * ref['roofline_fraction']:.0f}% of roofline")
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="decode throughput, batched vs serial, against the roofline")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", help="HF model folder (default: the embedded tiny model)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a generated random-weight model, cached")
+    parser.add_argument("--requests", type=int, default=32, help="concurrent requests of the batched run")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (eos ignored)")
+    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--batch-sizes", metavar="LIST", help="also sweep these batch sizes, e.g. 1,8,32")
+    parser.add_argument("--serial-requests", type=int, default=2, help="requests run one by one at batch 1")
+    parser.add_argument("--scenario", default="decode", help=f"comma list of {', '.join(SCENARIOS)}")
+    parser.add_argument("--hf", action="store_true", help="also run the decode workload through HF transformers")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of step time and tok/s vs batch size")
+    parser.add_argument("--json", action="store_true", help="print everything as JSON")
+    parser.set_defaults(func=run)

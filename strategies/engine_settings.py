@@ -1,0 +1,35 @@
+"""Engine settings: the schedule format's `engine` object, minus the pool (fitted to the requests).
+
+- `max_num_seqs` 1-8: 1 is serial operation, anything more batches.
+- `max_num_batched_tokens`: 64 lets whole prompts through in one step; 8-32 chunk long prompts;
+  tiny budgets (1-16) force chunked prefill and starve decodes of a seat.
+- `block_size` 1-32, mostly small: 1 puts every token in its own block, 32 holds most sequences in one.
+- `max_model_len` is fixed at MAX_MODEL_LEN, well above any generated request.
+Under pressure (burst schedules) several sequences run at once on small blocks: max_num_seqs >= 2,
+budget >= 8, block_size <= 8, so growing sequences cross block boundaries and exhaust a tight pool.
+Seats and budget shrink towards the roomiest engine (8 seats, 64 tokens), so a shrunk schedule
+keeps only the constraints its failure needs, and requests that merely occupied seats can go.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+MAX_MODEL_LEN = 128
+MODES = ("invariant", "fast")
+
+
+def roomiest_first(low: int, high: int) -> st.SearchStrategy[int]:
+    """Integers in [low, high] that shrink towards high."""
+    return st.integers(low, high).map(lambda n: low + high - n)
+
+
+@st.composite
+def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> dict:
+    if pressure:
+        seqs, budget, block = roomiest_first(2, 8), st.one_of(st.just(64), roomiest_first(8, 32)), st.integers(1, 8)
+    else:
+        seqs = roomiest_first(1, 8)
+        budget = st.one_of(st.just(64), roomiest_first(8, 32), roomiest_first(1, 16))
+        block = st.one_of(st.integers(1, 8), st.integers(1, 4), st.sampled_from([16, 32]))
+    return {"mode": mode, "max_num_seqs": draw(seqs), "max_num_batched_tokens": draw(budget),
+            "block_size": draw(block), "max_model_len": MAX_MODEL_LEN}

@@ -1,0 +1,99 @@
+"""The fault catalog is the suite's negative control. With any catalogued bug switched on, the dev
+profile's example budget finds a failing schedule, shrinks it to at most 3 requests and writes a
+repro that `refengine replay` (fault set through REFENGINE_FAULT) reproduces, while the same repro
+replays clean without the fault. Each fault is hunted by a property that catches it; the scheduler+KV
+state machine also catches the two that break the KV accounting."""
+import json
+
+import pytest
+from hypothesis import Phase, find, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+
+from invariant_harness import REPRO_DIR_VAR, PropertyFailure, check
+from refengine.cli import main
+from refengine.faults import ENV_VAR, FAULTS
+from strategies import tiny_model_names
+from test_invariants_batching import invariant_schedules
+from test_invariants_consistency import any_mode_schedules, other_budgets
+from test_invariants_reference import greedy_schedules
+from test_invariants_state_machine import SchedulerKVMachine
+
+pytestmark = pytest.mark.invariants
+MAX_SHRUNK_REQUESTS = 3
+
+PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property with a fault switched on)
+    "invariant-mode-is-exact": (
+        st.tuples(tiny_model_names(), invariant_schedules),
+        lambda example, fault: check("invariant-mode-is-exact", *example, fault=fault)),
+    "chunking-consistency": (
+        st.tuples(tiny_model_names(), any_mode_schedules, other_budgets),
+        lambda example, fault: check("chunking-consistency", example[0], example[1], against="budget",
+                                     other_budget=example[2], fault=fault)),
+    "reference-agreement": (
+        st.tuples(tiny_model_names(), greedy_schedules),
+        lambda example, fault: check("reference-agreement", *example, against="reference", fault=fault)),
+}
+CAUGHT_BY = {
+    "stale-block-table-after-preemption": "invariant-mode-is-exact",
+    "position-off-by-one-on-join": "invariant-mode-is-exact",
+    "logits-rows-misassigned-after-leave": "invariant-mode-is-exact",
+    "chunked-prefill-past-off-by-one": "chunking-consistency",
+    "no-recompute-on-resume": "invariant-mode-is-exact",
+    "seed-leak": "invariant-mode-is-exact",
+    "kv-write-block-boundary-off-by-one": "reference-agreement",
+    "abort-leaks-blocks": "invariant-mode-is-exact",
+}
+STATE_MACHINE_CATCHES = ("abort-leaks-blocks", "stale-block-table-after-preemption")
+
+
+def dev_profile():
+    """The loaded profile's example budget (dev: 25), without the example database (every run must
+    find the fault afresh) and without the explain phase (its report is not needed here)."""
+    return settings(settings.default, database=None, phases=[p for p in Phase if p is not Phase.explain])
+
+
+def assert_small_and_replayable(failure: PropertyFailure, fault: str, monkeypatch, capsys):
+    repro = json.loads(failure.repro.read_text())
+    assert len(repro["requests"]) <= MAX_SHRUNK_REQUESTS, str(failure)
+    monkeypatch.setenv(ENV_VAR, fault)
+    assert main(["replay", str(failure.repro)]) == 1, capsys.readouterr().out
+    assert "FAIL" in capsys.readouterr().out
+    monkeypatch.delenv(ENV_VAR)
+    assert main(["replay", str(failure.repro)]) == 0, capsys.readouterr().out
+
+
+def test_every_fault_is_hunted_by_a_property():
+    assert set(CAUGHT_BY) == set(FAULTS) and len(FAULTS) >= 6
+
+
+@pytest.mark.parametrize("fault", [f for f, prop in CAUGHT_BY.items() if prop in PROPERTIES])
+def test_dev_profile_finds_and_shrinks(fault, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+    strategy, run = PROPERTIES[CAUGHT_BY[fault]]
+
+    def fails(example):
+        try:
+            run(example, fault)
+        except PropertyFailure:
+            return True
+        return False
+
+    shrunk = find(strategy, fails, settings=dev_profile())
+    with pytest.raises(PropertyFailure) as failure:
+        run(shrunk, fault)
+    assert_small_and_replayable(failure.value, fault, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("fault", STATE_MACHINE_CATCHES)
+def test_state_machine_finds_kv_faults(fault, tmp_path, monkeypatch):
+    """The state machine's own invariants see these two directly (no shrinking here: shrinking rule
+    sequences is slow, and the shrunk repro of each comes from the test above)."""
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+
+    class FaultyEngine(SchedulerKVMachine):
+        pass
+
+    FaultyEngine.fault = fault
+    with pytest.raises(PropertyFailure, match="KV accounting"):
+        run_state_machine_as_test(FaultyEngine, settings=settings(dev_profile(), phases=[Phase.generate]))
