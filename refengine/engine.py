@@ -96,11 +96,11 @@ def _output(seq: Sequence) -> RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), *, keep_logits: bool = False):
+    def __init__(self, model: Model, config: EngineConfig | None = None, *, keep_logits: bool = False):
         """keep_logits: also keep every sampled float32 logits row (StepRecord.logits), for comparisons."""
         self.model = model
         self.keep_logits = keep_logits
-        self.config = config.resolved(model.config)
+        self.config = (config or EngineConfig()).resolved(model.config)
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config)

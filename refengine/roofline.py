@@ -49,6 +49,20 @@ def streaming_bandwidth(threads: int, repeats: int = 5) -> float:
     return data.nbytes / seconds
 
 
+def foreign_cpu_seconds() -> float | None:
+    """CPU time the machine has spent on other processes since boot (Linux /proc; None elsewhere).
+    The difference over a step tells whether a neighbour competed for the cores during it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    busy = sum(fields) - fields[3] - fields[4]   # all time but idle and iowait, every core
+    return (busy - int(own[11]) - int(own[12])) / os.sysconf("SC_CLK_TCK")  # minus our utime + stime
+
+
 def sgemm_flops(size: int = GEMM_SIZE, repeats: int = 3) -> float:
     """Float32 flop/s of numpy's BLAS on a square product (all BLAS threads)."""
     rng = np.random.default_rng(0)

@@ -14,9 +14,9 @@ Schedules are the JSON schedule dicts of FORMATS.md, so any example is also a re
 from .engine_settings import MAX_MODEL_LEN, engine_settings
 from .models import DEFAULT_MODEL, TINY_CONFIGS, tiny_model, tiny_model_dir, tiny_model_names
 from .prompts import MAX_PROMPT_LEN, edge_lengths, prompts
-from .sampling import sampling
+from .sampling import SAMPLERS, seeded
 from .schedules import MAX_REQUESTS, MAX_TOKENS, requests, schedules
 
 __all__ = ["DEFAULT_MODEL", "MAX_MODEL_LEN", "MAX_PROMPT_LEN", "MAX_REQUESTS", "MAX_TOKENS", "TINY_CONFIGS",
-           "edge_lengths", "engine_settings", "prompts", "requests", "sampling", "schedules", "tiny_model",
+           "edge_lengths", "engine_settings", "prompts", "requests", "SAMPLERS", "seeded", "schedules", "tiny_model",
            "tiny_model_dir", "tiny_model_names"]
