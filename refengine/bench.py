@@ -92,7 +92,8 @@ class RunStats:
     decode_tokens: int
     decode_s: float
     decode_step_ms: dict        # percentiles over those steps
-    contended_steps: int        # decode-only steps left out because a neighbour competed for the cores
+    contended_steps: int        # decode-only steps during which a neighbour competed for the cores
+    quiet_only: bool            # figures from the uncontended steps only (False: too few of them, all steps)
     mean_decode_context: float  # mean KV prefix a decode token attends over
     ttft_s_mean: float | None
     tpot_s_mean: float | None
@@ -142,7 +143,8 @@ def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_
         mode=mode, max_num_seqs=max_num_seqs, requests=len(requests), wall_s=wall, steps=engine.num_steps,
         generated_tokens=sum(len(o.token_ids) for o in outputs), decode_steps=len(used),
         decode_tokens=sum(d[1] for d in used), decode_s=float(sum(d[0] for d in used)),
-        decode_step_ms=_percentiles([d[0] for d in used]), contended_steps=len(decodes) - len(used),
+        decode_step_ms=_percentiles([d[0] for d in used]), contended_steps=len(decodes) - len(quiet),
+        quiet_only=used is quiet,
         mean_decode_context=_mean(contexts) or 0.0,
         ttft_s_mean=_mean(o.ttft_s for o in outputs), tpot_s_mean=_mean(o.tpot_s for o in outputs),
         latency_s_mean=_mean(o.ttft_s + o.tpot_s * (len(o.token_ids) - 1) if o.tpot_s is not None else o.ttft_s

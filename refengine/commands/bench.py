@@ -66,15 +66,16 @@ def _decode(model, args, modes, machine, roofline) -> dict:
 
 def _print_decode(result: dict) -> None:
     print(f"{'B':>3} {'mode':<9} {'tok/s':>8} {'step p50':>9} {'p90':>8} {'p99':>8} {'TTFT s':>7} "
-          f"{'TPOT ms':>8} {'x serial':>8} {'roofline ms':>11} {'% roof':>6} {'steps':>6} {'skipped':>7}")
+          f"{'TPOT ms':>8} {'x serial':>8} {'roofline ms':>11} {'% roof':>6} {'steps':>6} {'contended':>9}")
     for row in sorted(result["rows"], key=lambda r: (r["batch"], r["mode"])):
         step = row["decode_step_ms"]
         print(f"{row['batch']:>3} {row['mode']:<9} {row['decode_tok_s']:>8.1f} {step['p50']:>9.1f} {step['p90']:>8.1f} "
               f"{step['p99']:>8.1f} {row['ttft_s_mean']:>7.2f} {(row['tpot_s_mean'] or 0) * 1e3:>8.1f} "
               f"{row['vs_serial']:>8.2f} {row['roofline_step_ms']:>11.1f} {100 * row['roofline_fraction']:>5.0f}% "
-              f"{row['decode_steps']:>6} {row['contended_steps']:>7}")
+              f"{row['decode_steps']:>6} {row['contended_steps']:>9}{'' if row['quiet_only'] else ' (all used)'}")
     print(f"(B=1 rows: {result['serial_requests']} requests one after another; serial = B=1 fast; step figures "
-          f"over decode-only steps, 'skipped' = steps during which other processes competed for the cores)")
+          f"over decode-only steps without 'contended' ones -- steps during which other processes competed for the "
+          f"cores -- unless too few were quiet)")
     for name, goal in result["goals"].items():
         met = goal["ratio"] >= goal["goal"] if name in GOALS else goal["ratio"] <= goal["goal"]
         print(f"goal {name}: {goal['ratio']:.2f}x (goal {'>=' if name in GOALS else '<='} {goal['goal']}x) "
