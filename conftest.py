@@ -32,8 +32,6 @@ MARKERS = {
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true",
                      help="regenerate the committed golden files with the float64 reference")
-    parser.addoption("--engine-url", metavar="URL",
-                     help="also run the HTTP-level properties against this OpenAI-compatible server")
 
 
 def pytest_configure(config):
