@@ -126,15 +126,24 @@ def write_calibration(calibration: dict, path: str | Path) -> None:
     os.replace(staging, path)
 
 
-def calibration_for(model: Model) -> dict:
-    """The stored calibration of this model (golden/*.calibration.json, then the refengine cache),
-    measured and cached on first use."""
-    fingerprint = model.fingerprint
+def stored_calibration(model: Model) -> dict | None:
+    """The calibration committed beside the golden files (golden/*.calibration.json) for this model:
+    float64 BLAS results differ in the last bits between CPUs, so a bound measured anew on another
+    machine would make a golden refresh there differ byte-wise."""
     for path in sorted(GOLDEN_DIR.glob("*.calibration.json")):
         data = load_calibration(path)
-        if data.get("model_fingerprint") == fingerprint:
+        if data.get("model_fingerprint") == model.fingerprint:
             return data
-    cached = cache_dir() / "calibration" / f"{fingerprint.removeprefix('sha256:')[:16]}.json"
+    return None
+
+
+def calibration_for(model: Model) -> dict:
+    """The stored calibration of this model (golden/, then the refengine cache), measured and cached
+    on first use."""
+    stored = stored_calibration(model)
+    if stored is not None:
+        return stored
+    cached = cache_dir() / "calibration" / f"{model.fingerprint.removeprefix('sha256:')[:16]}.json"
     if cached.exists():
         return load_calibration(cached)
     data = calibrate(model)

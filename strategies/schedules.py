@@ -1,22 +1,24 @@
 """Join/leave schedules: the JSON schedule dicts of FORMATS.md that every property runs.
 
-A schedule is engine settings, then requests, then who samples and who leaves, then a KV pool:
-- requests (1-MAX_REQUESTS; a burst has at least 2): a prompt (see prompts), `max_tokens`
-  1-MAX_TOKENS (a small one is an early leave) and an `arrival_step` (joins mid-batch);
+A schedule is engine settings, then requests, then who samples, then a KV pool:
+- requests (1-MAX_REQUESTS; a burst has at least 2): a prompt (see prompts), an `arrival_step`
+  (joins mid-batch) and how it leaves: after `max_tokens` 1-MAX_TOKENS (a small one is an early
+  leave) or by an abort (`abort_step`) ABORT_DELAYS steps after its arrival (0 = before it ran);
 - sampling: some requests sample with a seed (see sampling); the others are greedy;
-- leaves: any request may get an `abort_step` 0-MAX_ABORT_DELAY steps after its arrival (0 = before
-  it ran), drawn with the request;
 - the pool always holds the largest request (each request fits alone, so each is admissible).
-Two shapes:
+Two shapes, half of the schedules each:
+- burst (first, so also what Hypothesis tries first and shrinks towards): every request joins in
+  the first two steps and runs to max_tokens >= MAX_TOKENS / 2, no aborts, under pressure settings
+  (see engine_settings) on a pool that holds the first max_num_seqs of them only until each has
+  generated 1-MAX_TOKENS/2 tokens: requests admitted together run out of blocks while decoding,
+  preempt, and resume by recomputing prompt and generated tokens;
 - staggered: arrivals 0-MAX_ARRIVAL, aborts, a pool from the largest request alone up to three
-  times it (tight pools preempt when requests happen to overlap);
-- burst: every request joins in the first two steps and runs to max_tokens >= MAX_TOKENS / 2, no
-  aborts, under pressure settings (see engine_settings) on a pool that holds the first max_num_seqs
-  of them only until each has generated 1-MAX_TOKENS/2 tokens: requests admitted together run out
-  of blocks while decoding, preempt, and resume by recomputing prompt and generated tokens.
-Every request is a handful of draws, its leave included, and sampling is drawn apart from it, so the
-shrinker can delete whole requests; a shrunk schedule is one greedy request or the few its
-failure needs, on the roomiest engine settings that still fail.
+  times it (tight pools preempt when requests happen to overlap).
+A request is exactly four draws (prompt length, prompt bytes, arrival, leave) and sampling is drawn
+apart from it: Hypothesis's shrinker deletes at most five consecutive choices at a time (a list
+element plus the list's "one more?" flag), so this is what lets it delete whole requests. A shrunk
+schedule is one greedy request or the few its failure needs, on the roomiest engine settings that
+still fail.
 """
 from __future__ import annotations
 
@@ -29,22 +31,29 @@ from .sampling import seeded
 MAX_REQUESTS = 5
 MAX_TOKENS = 8
 MAX_ARRIVAL = 12
-MAX_ABORT_DELAY = 10
+ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def requests(vocab_size: int, block_size: int, token_budget: int, burst: bool = False,
-             may_abort: bool = False) -> st.SearchStrategy[dict]:
-    """A leave is drawn with its request, so deleting another request never moves it."""
-    return st.fixed_dictionaries({
-        "prompt_ids": prompts(vocab_size, block_size, token_budget),
-        "max_tokens": st.integers(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS),
-        "arrival_step": st.integers(0, 1 if burst else MAX_ARRIVAL),
-        "abort_delay": st.none() | st.integers(0, MAX_ABORT_DELAY) if may_abort else st.none(),
-    })
+def leaves(burst: bool, may_abort: bool) -> list[dict]:
+    """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS)."""
+    by_length = [{"max_tokens": n} for n in range(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS + 1)]
+    by_abort = [{"max_tokens": MAX_TOKENS, "abort_delay": d} for d in ABORT_DELAYS] if may_abort else []
+    return by_length + by_abort
+
+
+@st.composite
+def requests(draw, vocab_size: int, block_size: int, token_budget: int, burst: bool = False,
+             may_abort: bool = True) -> dict:
+    request = {"prompt_ids": draw(prompts(vocab_size, block_size, token_budget)),
+               "arrival_step": draw(st.integers(0, 1 if burst else MAX_ARRIVAL))}
+    leave = dict(draw(st.sampled_from(leaves(burst, may_abort))))
+    if "abort_delay" in leave:
+        request["abort_step"] = request["arrival_step"] + leave.pop("abort_delay")
+    return {**request, **leave}
 
 
 def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
@@ -63,19 +72,14 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
     """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
-    burst = draw(st.booleans())
+    burst = draw(st.sampled_from([True, False]))
     engine = draw(engine_settings(mode, pressure=burst))
-    may_abort = allow_abort and not burst
-    reqs = draw(st.lists(requests(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
-                                  may_abort),
-                         min_size=min(2, max_requests) if burst else 1, max_size=max_requests))
-    pick = st.integers(0, max_requests - 1)  # a request, counted modulo how many there are
+    request = requests(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
+                       allow_abort and not burst)
+    reqs = draw(st.lists(request, min_size=min(2, max_requests) if burst else 1, max_size=max_requests))
     if allow_seeded:
+        pick = st.integers(0, max_requests - 1)  # a request, counted modulo how many there are
         for n, params in draw(st.lists(st.tuples(pick, seeded), max_size=max_requests)):
             reqs[n % len(reqs)]["sampling"] = params
-    for r in reqs:
-        delay = r.pop("abort_delay")
-        if delay is not None:
-            r["abort_step"] = r["arrival_step"] + delay
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}

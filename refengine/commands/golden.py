@@ -1,7 +1,7 @@
 """golden refresh, golden check: write golden files with the float64 reference, judge the engine by them."""
 from __future__ import annotations
 
-from ..calibrate import calibrate, load_calibration
+from ..calibrate import calibrate, load_calibration, stored_calibration
 from ..engine_config import MODES
 from ..golden import load_prompts, read_golden, refresh
 from ..golden_check import check
@@ -11,7 +11,10 @@ from .common import add_model_argument, open_model
 def run_refresh(args) -> int:
     model = open_model(args)
     prompts = load_prompts(args.prompts)
-    noise = load_calibration(args.calibration) if args.calibration else calibrate(model)
+    if args.calibration:
+        noise = load_calibration(args.calibration)
+    else:
+        noise = stored_calibration(model) or calibrate(model)
     golden = refresh(model, args.prompts, prompts, args.out, noise)
     tokens = sum(len(c.token_ids) for c in golden.cases)
     print(f"wrote {args.out}: {len(golden.cases)} cases, {tokens} tokens, model {golden.fingerprint}, "
@@ -36,7 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--prompts", required=True, help="prompts JSONL (FORMATS.md)")
     p.add_argument("--out", required=True, help="golden JSONL to write (replaced atomically)")
     p.add_argument("--calibration", metavar="FILE",
-                   help="stored noise calibration to put in the header (default: calibrate the model now)")
+                   help="noise calibration to put in the header (default: golden/*.calibration.json for this model, "
+                        "else calibrate the model now)")
     p.set_defaults(func=run_refresh)
 
     p = commands.add_parser("check", help="run the float32 engine on every case as one random join/leave "
