@@ -6,6 +6,7 @@ thorough (pre-release).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,9 +30,17 @@ MARKERS = {
 }
 
 
+DEFAULT_GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-default.jsonl"
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true",
                      help="regenerate the committed golden files with the float64 reference")
+    parser.addoption("--engine-url", metavar="URL",
+                     help="run the HTTP invariants against this OpenAI-compatible server (default: an "
+                          "in-process refengine server on 127.0.0.1 serving the default tiny model)")
+    parser.addoption("--golden", metavar="FILE", default=str(DEFAULT_GOLDEN),
+                     help="golden file the --engine-url server's model must match (default: %(default)s)")
 
 
 def pytest_configure(config):
@@ -50,3 +59,37 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_model(tiny_model_dir):
     from refengine.model import load_model
     return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def http_engine(request):
+    """(url, golden) for the HTTP invariants: the --engine-url server and the --golden file, or an
+    in-process OpenAIServer on 127.0.0.1 serving the default tiny model (4 seats, 32-token steps so
+    prefill chunks mix with decodes and requests queue)."""
+    from refengine.engine_config import EngineConfig
+    from refengine.errors import RefengineError
+    from refengine.golden import read_golden
+    from refengine.openai_client import Endpoint
+    from refengine.server import OpenAIServer
+    from refengine.validate import served_model
+
+    url = request.config.getoption("--engine-url")
+    model = None if url else request.getfixturevalue("tiny_model")
+    try:
+        golden = read_golden(request.config.getoption("--golden"))
+        if url:
+            served_model(Endpoint(url, timeout=10))
+        else:
+            golden.require_model(model)
+        problem = None
+    except RefengineError as e:
+        problem = f"HTTP invariants: {e}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    if url:
+        yield url, golden
+        return
+    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1")
+    server.start()
+    yield server.url, golden
+    server.close()

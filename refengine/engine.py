@@ -33,7 +33,7 @@ from .errors import RefengineError
 from .metrics import EngineMetrics
 from .model import Model
 from .model_runner import ModelRunner
-from .sampling import SamplingParams, sample_token, top2_margin, top_logprobs
+from .sampling import SamplingParams, sample_token, token_logprobs, top2_margin
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus, StepRecord
 from .stopping import finish_reason
@@ -52,6 +52,7 @@ class TokenEvent:
     text_delta: str
     finish_reason: str | None  # None | "stop" | "length" | "abort"
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    logprob: float | None = None  # the token's own log-probability, when its request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -177,16 +178,16 @@ class LLMEngine:
         params = seq.params
         drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
         token = sample_token(logits, drawn, len(seq.output_ids))
+        logprob, alternatives = token_logprobs(logits, token, params.logprobs) if params.logprobs > 0 else (None, [])
         record = StepRecord(step, token, top2_margin(logits), hashlib.sha256(logits.tobytes()).hexdigest(),
-                            top_logprobs(logits, params.logprobs) if params.logprobs > 0 else [],
-                            logits.copy() if self.keep_logits else None)
+                            alternatives, logprob, logits.copy() if self.keep_logits else None)
         seq.append_token(record)
         reason = finish_reason(token, len(seq.output_ids), seq.detokenizer.text, params,
                                self.model.config.eos_token_ids)
         if reason is not None:
             self.scheduler.finish(seq, reason, step)
         return TokenEvent(seq.request_id, step, token, record.top2_margin, record.logits_sha256,
-                          seq.take_text_delta(), reason, record.top_logprobs)
+                          seq.take_text_delta(), reason, record.top_logprobs, record.logprob)
 
     def _record(self, step: int, output: SchedulerOutput, aborted: list[str], kv_blocks_used: int,
                 seconds: float) -> None:

@@ -62,9 +62,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely ids with their log-probabilities, ties broken by lower id."""
+    return token_logprobs(logits, None, k)[1]
+
+
+def token_logprobs(logits: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
+    """`token`'s log-probability (None for no token) and the k most likely ids with theirs."""
     logprobs = log_softmax(logits.astype(np.float64))
     order = np.lexsort((np.arange(len(logprobs)), -logprobs))[:k]
-    return [(int(i), float(logprobs[i])) for i in order]
+    own = None if token is None else float(logprobs[token])
+    return own, [(int(i), float(logprobs[i])) for i in order]
 
 
 def token_uniform(seed: int, token_index: int) -> float:

@@ -27,6 +27,7 @@ class StepRecord:
     top2_margin: float
     logits_sha256: str
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    logprob: float | None = None  # the token's own log-probability, when logprobs were asked for
     logits: np.ndarray | None = field(default=None, repr=False, compare=False)  # kept only on request
 
 

@@ -259,10 +259,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def generated(event: TokenEvent, num_logprobs: int | None) -> list[Generated]:
-    """The token a TokenEvent carries (none for an abort). The sampled token's logprob is known
-    when it is among the reported alternatives (always, for greedy decoding)."""
+    """The token a TokenEvent carries (none for an abort)."""
     if event.token_id is None:
         return []
-    alternatives = dict(event.top_logprobs)
-    return [Generated(event.token_id, event.text_delta, alternatives.get(event.token_id),
-                      event.top_logprobs[:num_logprobs or 0])]
+    return [Generated(event.token_id, event.text_delta, event.logprob, event.top_logprobs[:num_logprobs or 0])]

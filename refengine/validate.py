@@ -111,7 +111,7 @@ def replay_one(endpoint: Endpoint, p: Planned, served_model: str, tolerance: flo
                 "error": str(e) or type(e).__name__}
     entry |= {"latency_s": round(time.monotonic() - sent, 3), "cancelled": completion.cancelled,
               "tokens": len(completion.token_ids) if completion.token_ids is not None else None,
-              "finish_reason": completion.finish_reason}
+              "finish_reason": completion.finish_reason, "token_ids": completion.token_ids, "text": completion.text}
     if completion.cancelled:
         return {**entry, "verdict": "cancelled"}
     mismatch = prompt_mismatch(p.case, completion)
@@ -127,19 +127,30 @@ def replay_one(endpoint: Endpoint, p: Planned, served_model: str, tolerance: flo
     return {**entry, **verdict.as_dict()}
 
 
+def served_model(endpoint: Endpoint) -> dict:
+    """The first entry of the server's /v1/models. Unreachable server or no model: RefengineError."""
+    try:
+        return endpoint.get_json("/v1/models")["data"][0]
+    except (OSError, ServerError, KeyError, IndexError, TypeError) as e:
+        raise RefengineError(f"{endpoint.url}: cannot list models at /v1/models ({type(e).__name__}: {e})") from None
+
+
+def replay(endpoint: Endpoint, planned: list[Planned], served_name: str, tolerance: float,
+           concurrency: int) -> list[dict]:
+    """Send every planned request at its arrival time (measured from now), at most `concurrency` in
+    flight; their report records, in plan order."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="validate") as pool:
+        return list(pool.map(lambda p: replay_one(endpoint, p, served_name, tolerance, start), planned))
+
+
 def validate(url: str, golden: Golden, settings: Settings) -> dict:
     """Run the schedule; the report (FORMATS.md). Unreachable server: RefengineError."""
     endpoint = Endpoint(url, settings.timeout)
-    try:
-        models = endpoint.get_json("/v1/models")
-        served = models["data"][0]
-    except (OSError, ServerError, KeyError, IndexError, TypeError) as e:
-        raise RefengineError(f"{url}: cannot list models at /v1/models ({type(e).__name__}: {e})") from None
+    served = served_model(endpoint)
     tolerance = golden.tolerance if settings.margin_tolerance is None else settings.margin_tolerance
-    planned = plan(golden, settings)
     start = time.monotonic()
-    with ThreadPoolExecutor(settings.concurrency, thread_name_prefix="validate") as pool:
-        requests = list(pool.map(lambda p: replay_one(endpoint, p, served["id"], tolerance, start), planned))
+    requests = replay(endpoint, plan(golden, settings), served["id"], tolerance, settings.concurrency)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
     return {
         "validate": 1, "url": url, "golden": str(golden.path), "model_fingerprint": golden.fingerprint,
@@ -152,6 +163,13 @@ def validate(url: str, golden: Golden, settings: Settings) -> dict:
         "summary": {"requests": len(requests), **counts, "wall_s": round(time.monotonic() - start, 3),
                     "passed": counts["diverged"] == counts["error"] == 0},
     }
+
+
+def describe_record(r: dict, tolerance: float) -> str:
+    """The margin rule's diff for an `explained` or `diverged` record."""
+    verdict = Verdict(r["verdict"], r["compared_by"], r["step"], r["margin"], r["expected"], r["got"],
+                      r["expected_text"], r["got_text"])
+    return describe(r["id"], verdict, tolerance)
 
 
 def _detail(r: dict) -> str:
@@ -174,9 +192,7 @@ def format_report(report: dict) -> str:
                      f"{r['sent_s']:>5.2f}s  {r['latency_s']:>6.2f}s  {r['verdict']:<9}  {_detail(r)}")
     for r in report["requests"]:
         if r["verdict"] in ("explained", "diverged"):
-            verdict = Verdict(r["verdict"], r["compared_by"], r["step"], r["margin"], r["expected"], r["got"],
-                              r["expected_text"], r["got_text"])
-            lines.append(describe(r["id"], verdict, s["tolerance"]))
+            lines.append(describe_record(r, s["tolerance"]))
     lines.append(
         f"validate {report['url']} (served model {report['server']['model']!r}) against {report['golden']}: "
         f"{summary['requests']} requests, concurrency {s['concurrency']}, seed {s['seed']}, cancel rate "

@@ -14,6 +14,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 
 from refengine.engine import EngineConfig, LLMEngine
@@ -191,6 +192,22 @@ def test_completion_logprobs_report_each_token(server, tiny_model):
                                       for i in expected.token_ids]
         assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
         assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+
+def test_sampled_tokens_report_their_own_logprob(server, tiny_model):
+    """A drawn token is often not among the top alternatives; its logprob is still the log-softmax
+    of its own logit in the row it was drawn from."""
+    body = {**STORY, "temperature": 1.5, "seed": 3}
+    engine = LLMEngine(tiny_model, EngineConfig(mode="invariant", max_num_seqs=1), keep_logits=True)
+    engine.add_request("alone", prompt_ids_of(tiny_model, "completion", body),
+                       params=SamplingParams(**{k: body[k] for k in SAMPLING_KEYS if k in body}))
+    steps = engine.run()["alone"].steps
+    rows = [s.logits.astype(np.float64) for s in steps]
+    expected = [float(row[s.token_id] - row.max() - np.log(np.exp(row - row.max()).sum())) for row, s in zip(rows, steps)]
+    assert any(s.token_id != int(row.argmax()) for row, s in zip(rows, steps))  # some draws are not the top token
+    for stream in (False, True):
+        logprobs = generate(server, "completion", {**body, "logprobs": 1}, stream)["logprobs"]
+        assert logprobs["token_logprobs"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 def test_models_and_health(server, tiny_model):
