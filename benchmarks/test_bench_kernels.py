@@ -7,9 +7,10 @@ import pytest
 
 from bench_models import BATCH_SIZES, MID_SPEC, MODES
 
-from refengine.kernels import attend_decodes_fast, attend_decodes_invariant, linear_fast, linear_invariant
+from refengine.kernels import attend_fast, attend_invariant, linear_fast, linear_invariant
 
 LINEAR = {"fast": linear_fast, "invariant": linear_invariant}
+ATTEND = {"fast": attend_fast, "invariant": attend_invariant}
 CONTEXT = 128   # the mean KV prefix of the workload (prompt 64, 128 new tokens)
 BLOCK_SIZE = 16
 
@@ -55,13 +56,11 @@ def test_decode_attention_over_paged_kv(benchmark, mode, batch):
     v_cache = rng.standard_normal((2 * batch * CONTEXT, kv_heads, head_dim), dtype=np.float32)
     q = rng.standard_normal((batch, heads, head_dim), dtype=np.float32)
     scale = 1 / np.sqrt(head_dim)
-    lengths = np.full(batch, CONTEXT)
 
-    def attend():
-        keys, values = np.take(k_cache, slots, axis=0), np.take(v_cache, slots, axis=0)
-        if mode == "invariant":
-            return attend_decodes_invariant(q, keys, values, scale)
-        return attend_decodes_fast(q, keys, values, lengths, scale)
+    def attend():  # as the runner does: one sequence at a time
+        for n in range(batch):
+            keys, values = np.take(k_cache, slots[n], axis=0), np.take(v_cache, slots[n], axis=0)
+            ATTEND[mode](q[n:n + 1], keys, values, CONTEXT - 1, scale)
 
     benchmark(attend)
     kv_bytes = 2 * batch * CONTEXT * kv_heads * head_dim * 4

@@ -112,29 +112,3 @@ def attend_invariant(q, k, v, start, scale):
         scores = (q_grouped[t] @ keys) * np.float32(scale)                       # [KVH, G, pos+1]
         out[t] = _softmax_rows(scores) @ values
     return out.reshape(n, num_heads * head_dim)
-
-
-def attend_decodes_fast(q, k, v, lengths, scale):
-    """One decode query per sequence, all sequences in one product. q [N, H, D] at positions
-    lengths-1; k, v [N, L, KVH, D] hold each sequence's keys, padded (masked) past its length."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads, context = k.shape[2], k.shape[1]
-    q_grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)    # [N, KVH, G, D]
-    scores = (q_grouped @ k.transpose(0, 2, 3, 1)) * np.float32(scale)           # [N, KVH, G, L]
-    padding = np.arange(context)[None, :] >= np.asarray(lengths)[:, None]          # [N, L]
-    if padding.any():
-        scores = np.where(padding[:, None, None, :], np.float32(-np.inf), scores)
-    out = _softmax_rows(scores) @ v.transpose(0, 2, 1, 3)                         # [N, KVH, G, D]
-    return out.reshape(n, num_heads * head_dim)
-
-
-def attend_decodes_invariant(q, k, v, scale):
-    """Decodes of sequences whose contexts have the same length L, in one stacked product.
-    q [N, H, D]; k, v [N, L, KVH, D]. Each item is the very product attend_invariant does for its
-    last query (same shapes and strides), so no decode's result depends on the others."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    q_grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)    # [N, KVH, G, D]
-    scores = (q_grouped @ k.transpose(0, 2, 3, 1)) * np.float32(scale)           # [N, KVH, G, L]
-    out = _softmax_rows(scores) @ v.transpose(0, 2, 1, 3)                         # [N, KVH, G, D]
-    return out.reshape(n, num_heads * head_dim)
