@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from .config import ModelConfig
 from .default_model import cache_dir
 from .engine import EngineConfig, LLMEngine
 from .errors import RefengineError
@@ -164,8 +165,8 @@ def batch_sweep(model: Model, modes: list[str], batch_sizes: list[int], prompt_l
     return results
 
 
-def reference_refresh(model_dir, machine: Machine, prompt_len: int = 16, new_tokens: int = 8) -> dict:
-    """Float64 reference decode speed (what a golden refresh spends its time on) vs its roofline.
+def reference_refresh(model_dir, prompt_len: int = 16, new_tokens: int = 8) -> dict:
+    """Float64 reference decode speed (what a golden refresh spends its time on).
 
     Times generate() for 1 and for 1 + new_tokens tokens; the difference is decode alone."""
     model = Model(model_dir)  # its own float64 weights, released when this returns
@@ -177,8 +178,13 @@ def reference_refresh(model_dir, machine: Machine, prompt_len: int = 16, new_tok
         generate(model, prompt, SamplingParams(max_tokens=count, ignore_eos=True))
         timings[count] = time.perf_counter() - started
     per_token = (timings[1 + new_tokens] - timings[1]) / new_tokens
-    roofline = Roofline.of(model.config, machine, bytes_per_param=8)
-    bound = roofline.memory_seconds(1, prompt_len + new_tokens / 2)
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_s_per_token": per_token,
-            "weight_bytes": roofline.weight_bytes, "roofline_s_per_token": bound,
-            "roofline_fraction": bound / per_token, "prefill_s": timings[1]}
+            "prefill_s": timings[1]}
+
+
+def reference_report(timing: dict, cfg: ModelConfig, machine: Machine) -> dict:
+    """reference_refresh's timing against the float64 weights' bandwidth roofline."""
+    roofline = Roofline.of(cfg, machine, bytes_per_param=8)
+    bound = roofline.memory_seconds(1, timing["prompt_len"] + timing["new_tokens"] / 2)
+    return timing | {"weight_bytes": roofline.weight_bytes, "roofline_s_per_token": bound,
+                     "roofline_fraction": bound / timing["decode_s_per_token"]}

@@ -47,19 +47,28 @@ def predicted_seconds(roofline: Roofline, requests: list[BenchRequest], batched:
     return seconds
 
 
-def run_kestrel(model: Model, roofline: Roofline, modes: list[str], long_tokens: int) -> dict:
-    """{workload: {"serial": stats, mode: stats, "predicted": {...}}} for the short and long workloads."""
+def run_kestrel(model: Model, modes: list[str], long_tokens: int) -> dict[str, tuple[list[BenchRequest], dict]]:
+    """{workload: (requests, {"serial": stats, mode: stats})} for the short and long workloads."""
     results = {}
     for workload, requests in kestrel_requests(model, long_tokens).items():
         runs: dict[str, RunStats] = {"serial": run_requests(model, requests, "fast", 1, label=f"{workload} serial")}
         for mode in modes:
             runs[mode] = run_requests(model, requests, mode, len(requests), label=f"{workload} {mode} batched")
-        results[workload] = {
+        results[workload] = (requests, runs)
+    return results
+
+
+def kestrel_report(results: dict[str, tuple[list[BenchRequest], dict]], roofline: Roofline) -> dict:
+    """The runs of run_kestrel beside what the throughput model predicts for the same schedules."""
+    report = {}
+    for workload, (requests, runs) in results.items():
+        report[workload] = {
             "max_tokens": [r.max_tokens for r in requests],
             "prompt_tokens": [len(r.prompt_ids) for r in requests],
             "runs": {name: stats.to_json() for name, stats in runs.items()},
-            "batched_speedup": {mode: runs["serial"].wall_s / runs[mode].wall_s for mode in modes},
+            "batched_speedup": {mode: runs["serial"].wall_s / stats.wall_s for mode, stats in runs.items()
+                                if mode != "serial"},
             "predicted_s": {"serial": predicted_seconds(roofline, requests, batched=False),
                             "batched": predicted_seconds(roofline, requests, batched=True)},
         }
-    return results
+    return report

@@ -87,6 +87,14 @@ class Machine:
     def to_json(self) -> dict:
         return asdict(self) | {"bandwidth": self.bandwidth}
 
+    def best(self, other: Machine) -> Machine:
+        """Both measurements' best figures (and this one's load average). Other work -- on this machine
+        or, unseen from inside a VM, on its host -- only ever lowers them, so a benchmark measures
+        before and after its runs."""
+        return Machine(max(self.bandwidth_1thread, other.bandwidth_1thread),
+                       max(self.bandwidth_all, other.bandwidth_all), self.threads,
+                       max(self.sgemm_flops, other.sgemm_flops), self.load_average)
+
 
 def measure_machine() -> Machine:
     threads = os.cpu_count() or 1

@@ -6,8 +6,8 @@ import platform
 
 import numpy as np
 
-from ..bench import batch_sweep, preset_model_dir, random_requests, reference_refresh
-from ..bench_kestrel import run_kestrel
+from ..bench import batch_sweep, preset_model_dir, random_requests, reference_refresh, reference_report
+from ..bench_kestrel import kestrel_report, run_kestrel
 from ..default_model import default_model_dir
 from ..engine_config import MODES
 from ..errors import RefengineError
@@ -21,12 +21,26 @@ GOALS = {"fast": 5.0, "invariant": 3.0}  # batched decode throughput / serial, a
 BATCH1_GOAL = 1.4                        # batch-1 decode step / (weight bytes / bandwidth)
 
 
-def _decode(model, args, modes, machine, roofline) -> dict:
+def _batch_sizes(args) -> list[int]:
     batch_sizes = sorted(set(parse_ids(args.batch_sizes, "--batch-sizes") if args.batch_sizes else [1])
                          | {args.requests})
     if min(batch_sizes) < 1:
         raise RefengineError(f"--batch-sizes: batch sizes must be positive, got {args.batch_sizes!r}")
-    sweep = batch_sweep(model, modes, batch_sizes, args.prompt_len, args.max_tokens, args.serial_requests)
+    return batch_sizes
+
+
+def _run_decode(model, args, modes) -> tuple[dict, dict | None]:
+    """The batch sweep and, with --hf, the same workload through HF transformers."""
+    sweep = batch_sweep(model, modes, _batch_sizes(args), args.prompt_len, args.max_tokens, args.serial_requests)
+    if not args.hf:
+        return sweep, None
+    from ..bench_hf import hf_decode
+    return sweep, {"batched": hf_decode(model.path, random_requests(model, args.requests, args.prompt_len,
+                                                                    args.max_tokens)),
+                   "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len, args.max_tokens))}
+
+
+def _decode(model, args, modes, sweep, hf, machine, roofline) -> dict:
     serial = sweep["fast"][1]
     rows = []
     for mode, runs in sweep.items():
@@ -42,12 +56,7 @@ def _decode(model, args, modes, machine, roofline) -> dict:
     goals["batch1_step_vs_weight_read"] = {"ratio": batch1, "goal": BATCH1_GOAL}
     result = {"rows": rows, "goals": goals, "serial_requests": args.serial_requests,
               "sweep": {mode: {str(b): s.to_json() for b, s in runs.items()} for mode, runs in sweep.items()}}
-    if args.hf:
-        from ..bench_hf import hf_available, hf_decode
-        if not hf_available():
-            raise RefengineError("--hf: needs torch and transformers (pip install 'refengine[parity]')")
-        hf = {"batched": hf_decode(model.path, random_requests(model, args.requests, args.prompt_len, args.max_tokens)),
-              "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len, args.max_tokens))}
+    if hf is not None:
         hf["engine_vs_hf"] = {"batched_fast": sweep["fast"][args.requests].decode_tok_s / hf["batched"]["decode_tok_s"],
                               "serial": serial.decode_tok_s / hf["serial"]["decode_tok_s"]}
         if "invariant" in sweep:
@@ -112,26 +121,36 @@ def run(args) -> int:
         if getattr(args, flag) < 1:
             raise RefengineError(f"--{flag.replace('_', '-')}: must be a positive integer, got {getattr(args, flag)}")
     model_dir = args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir())
+    if args.hf:
+        from ..bench_hf import hf_available
+        if not hf_available():
+            raise RefengineError("--hf: needs torch and transformers (pip install 'refengine[parity]')")
+    if "decode" in scenarios:
+        _batch_sizes(args)  # a bad list fails now, not after the runs before it
     model = load_model(model_dir)
-    machine = measure_machine()
+    before = measure_machine()
+    decode = _run_decode(model, args, modes) if "decode" in scenarios else None
+    kestrel = run_kestrel(model, modes, args.max_tokens) if "kestrel" in scenarios else None
+    reference = reference_refresh(model.path) if "reference" in scenarios else None
+    machine = before.best(measure_machine())
     roofline = Roofline.of(model.config, machine)
     report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
               "machine": machine.to_json() | {"cpu": platform.processor() or platform.machine()},
               "numpy": np.__version__, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                                                     "max_tokens": args.max_tokens}}
-    if "decode" in scenarios:
-        report["decode"] = _decode(model, args, modes, machine, roofline)
-    if "kestrel" in scenarios:
-        report["kestrel"] = run_kestrel(model, roofline, modes, args.max_tokens)
-    if "reference" in scenarios:
-        report["reference"] = reference_refresh(model.path, machine)
+    if decode is not None:
+        report["decode"] = _decode(model, args, modes, *decode, machine, roofline)
+    if kestrel is not None:
+        report["kestrel"] = kestrel_report(kestrel, roofline)
+    if reference is not None:
+        report["reference"] = reference_report(reference, model.config, machine)
     report["load_average_after"] = os.getloadavg()[0]
     if args.json:
         print_json(report)
         return 0
     print(f"model {report['model']}: {roofline.parameters:,} streamed params, f32 weights "
           f"{roofline.weight_bytes / 1e9:.2f} GB")
-    print(f"machine: streaming read {machine.bandwidth_1thread / 1e9:.1f} GB/s (1 thread), "
+    print(f"machine (best of before and after the runs): streaming read {machine.bandwidth_1thread / 1e9:.1f} GB/s (1 thread), "
           f"{machine.bandwidth_all / 1e9:.1f} GB/s ({machine.threads} threads); sgemm {machine.sgemm_flops / 1e9:.0f} "
           f"GFLOP/s; weight read {roofline.weight_bytes / machine.bandwidth * 1e3:.1f} ms; "
           f"load average {machine.load_average:.2f} before, {report['load_average_after']:.2f} after")
