@@ -99,6 +99,7 @@ class RunStats:
     ttft_s_mean: float | None
     tpot_s_mean: float | None
     latency_s_mean: float | None  # arrival to last token
+    latency_s_first: float | None  # the earliest finished request's: what the head of a queue waits
 
     @property
     def decode_tok_s(self) -> float:
@@ -138,6 +139,8 @@ def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_
     quiet = [d for d in decodes if not d[2]]
     used = quiet if len(quiet) >= MIN_QUIET_STEPS else decodes
     outputs = list(engine.outputs().values())
+    latencies = [o.ttft_s + o.tpot_s * (len(o.token_ids) - 1) if o.tpot_s is not None else o.ttft_s
+                 for o in outputs if o.ttft_s is not None]
     # the decode yielding token j (j >= 2) attends over prompt + j - 1 positions
     contexts = [len(o.prompt_ids) + j - 1 for o in outputs for j in range(2, len(o.token_ids) + 1)]
     return RunStats(
@@ -148,8 +151,7 @@ def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_
         quiet_only=used is quiet,
         mean_decode_context=_mean(contexts) or 0.0,
         ttft_s_mean=_mean(o.ttft_s for o in outputs), tpot_s_mean=_mean(o.tpot_s for o in outputs),
-        latency_s_mean=_mean(o.ttft_s + o.tpot_s * (len(o.token_ids) - 1) if o.tpot_s is not None else o.ttft_s
-                             for o in outputs))
+        latency_s_mean=_mean(latencies), latency_s_first=min(latencies, default=None))
 
 
 def batch_sweep(model: Model, modes: list[str], batch_sizes: list[int], prompt_len: int, max_tokens: int,

@@ -60,6 +60,7 @@ def test_kestrel_runs_short_and_long_answers_serial_and_batched(report):
         assert runs["serial"]["max_num_seqs"] == 1 and runs["fast"]["max_num_seqs"] == 8
         for mode in ("fast", "invariant"):
             assert runs[mode]["generated_tokens"] == sum(workload["max_tokens"])
+            assert 0 < runs[mode]["latency_s_first"] <= runs[mode]["latency_s_mean"]
             assert workload["batched_speedup"][mode] == pytest.approx(runs["serial"]["wall_s"] / runs[mode]["wall_s"])
         assert workload["predicted_s"]["serial"] > workload["predicted_s"]["batched"] > 0
 

@@ -104,7 +104,8 @@ def _print_kestrel(result: dict) -> None:
         print(f"kestrel {workload}: max_tokens {data['max_tokens']}, prompts {data['prompt_tokens']} tokens")
         for name, run in runs.items():
             speedup = "" if name == "serial" else f"  batched speedup {data['batched_speedup'][name]:.2f}x"
-            print(f"  {name:<9} wall {run['wall_s']:7.2f} s  mean latency {run['latency_s_mean']:6.2f} s  "
+            print(f"  {name:<9} wall {run['wall_s']:7.2f} s  first answer {run['latency_s_first']:6.2f} s  "
+                  f"mean latency {run['latency_s_mean']:6.2f} s  "
                   f"mean TTFT {run['ttft_s_mean']:6.2f} s{speedup}")
         predicted = data["predicted_s"]
         print(f"  roofline model: serial {predicted['serial']:.2f} s, batched {predicted['batched']:.2f} s "
