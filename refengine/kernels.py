@@ -34,7 +34,14 @@ def apply_rope(x, cos, sin):  # x [tokens, heads, head_dim]; cos, sin [tokens, h
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def linear_fast(x, weight):  # x [rows, in], weight [out, in] -> [rows, out]
+def fast_layout(weight):  # [out, in] -> the same [out, in], stored column-major
+    """A batching engine's weights for linear_fast: OpenBLAS multiplies by a row-major [in, out]
+    5-15% faster for 8-32 rows (the lm_head up to 30%) than by the transpose of a row-major [out, in],
+    but a single row (matrix-vector) 7% slower, so a serial engine keeps the checkpoint's layout."""
+    return np.ascontiguousarray(weight.T).T
+
+
+def linear_fast(x, weight):  # x [rows, in], weight [out, in] in either memory order -> [rows, out]
     return x @ weight.T
 
 

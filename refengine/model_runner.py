@@ -13,8 +13,8 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .engine_config import EngineConfig
-from .kernels import (apply_rope, attend_fast, attend_invariant, linear_fast, linear_invariant, rms_norm,
-                      rope_tables, silu)
+from .kernels import (apply_rope, attend_fast, attend_invariant, fast_layout, linear_fast, linear_invariant,
+                      rms_norm, rope_tables, silu)
 from .model import Model
 from .scheduler import ScheduledChunk
 
@@ -32,7 +32,8 @@ def _owned(array):
 
 @dataclass(frozen=True)
 class RunnerLayer:
-    """One decoder layer with q/k/v and gate/up fused, so each is one product per step."""
+    """One decoder layer with q/k/v and gate/up fused, so each is one product per step. Projection
+    weights are [out, in] (column-major when batching in fast mode: kernels.fast_layout)."""
     input_norm: np.ndarray
     qkv: np.ndarray                # [q_size + 2 * kv_size, hidden]
     qkv_bias: np.ndarray | None
@@ -52,17 +53,18 @@ class ModelRunner:
         cfg = model.config
         self.cfg = cfg
         weights = model.weights(np.float32)
-        self.layers = [RunnerLayer(
-            input_norm=w.input_norm, qkv=_concat(w.q_proj, w.k_proj, w.v_proj),
-            qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
-            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=_owned(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
-            gate_up=_concat(w.gate_proj, w.up_proj),
-            gate_up_bias=_concat(w.gate_bias, w.up_bias),
-            down=_owned(w.down_proj), down_bias=w.down_bias) for w in weights.layers]
-        self.embed, self.norm = _owned(weights.embed), weights.norm
-        self.lm_head = self.embed if weights.lm_head is weights.embed else _owned(weights.lm_head)
         self.invariant = config.mode == "invariant"
         self.linear = linear_invariant if self.invariant else linear_fast
+        project = fast_layout if not self.invariant and config.max_num_seqs > 1 else _owned
+        self.layers = [RunnerLayer(
+            input_norm=w.input_norm, qkv=project(_concat(w.q_proj, w.k_proj, w.v_proj)),
+            qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
+            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=project(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
+            gate_up=project(_concat(w.gate_proj, w.up_proj)),
+            gate_up_bias=_concat(w.gate_bias, w.up_bias),
+            down=project(w.down_proj), down_bias=w.down_bias) for w in weights.layers]
+        self.embed, self.norm = _owned(weights.embed), weights.norm
+        self.lm_head = self.embed if weights.lm_head is weights.embed and project is _owned else project(weights.lm_head)
         self.attend = attend_invariant if self.invariant else attend_fast
         self.fault, self.block_size = config.fault, config.block_size
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
@@ -116,7 +118,7 @@ class ModelRunner:
                 attended[lo:hi] = self.attend(q[lo:hi], keys, values, past, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
-            half = gate_up.shape[1] // 2
+            half = cfg.intermediate_size
             x = x + self._project(silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
 
         sampling_rows = [hi - 1 for chunk, hi in zip(chunks, offsets[1:]) if chunk.samples]

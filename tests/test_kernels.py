@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from refengine.kernels import attend_fast, attend_invariant, linear_fast, linear_invariant
+from refengine.kernels import attend_fast, attend_invariant, fast_layout, linear_fast, linear_invariant
 
 
 @pytest.mark.parametrize("out_features, in_features", [(4096, 256), (1000, 96), (48, 64)])
@@ -17,6 +17,9 @@ def test_linear_invariant_rows_do_not_depend_on_the_batch(out_features, in_featu
     exact = x.astype(np.float64) @ weight.T.astype(np.float64)
     assert np.allclose(alone, exact, rtol=1e-4, atol=1e-4)
     assert np.allclose(linear_fast(x, weight), exact, rtol=1e-4, atol=1e-4)
+    column_major = fast_layout(weight)
+    assert np.array_equal(column_major, weight) and column_major.flags.f_contiguous
+    assert np.allclose(linear_fast(x, column_major), exact, rtol=1e-4, atol=1e-4)
 
 
 def test_attend_invariant_is_independent_of_chunking_and_matches_the_masked_form():
