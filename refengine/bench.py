@@ -113,16 +113,23 @@ class RunStats:
         return asdict(self) | {"decode_tok_s": self.decode_tok_s, "mean_decode_batch": self.mean_decode_batch}
 
 
-def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_seqs: int,
-                 max_num_batched_tokens: int = 2048, label: str | None = None) -> RunStats:
-    """All `requests` arrive at step 0; step the engine until every one has finished."""
+def start_engine(model: Model, requests: list[BenchRequest], mode: str, max_num_seqs: int,
+                 max_num_batched_tokens: int = 2048) -> LLMEngine:
+    """An engine sized for `requests`, all of them added (arriving at step 0)."""
     max_model_len = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     config = EngineConfig(mode=mode, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max(max_num_batched_tokens, max_model_len))
     engine = LLMEngine(model, config)
-    started = time.perf_counter()
     for r in requests:
         engine.add_request(r.request_id, r.prompt_ids, params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+    return engine
+
+
+def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_seqs: int,
+                 max_num_batched_tokens: int = 2048, label: str | None = None) -> RunStats:
+    """All `requests` arrive at step 0; step the engine until every one has finished."""
+    started = time.perf_counter()
+    engine = start_engine(model, requests, mode, max_num_seqs, max_num_batched_tokens)
     decodes = []  # (seconds, tokens, contended) per decode-only step
     total = sum(r.max_tokens for r in requests)
     with tqdm(total=total, desc=label or f"{mode} max_num_seqs={max_num_seqs}", unit="tok", leave=False) as bar:

@@ -43,7 +43,11 @@ def test_goals_are_ratios_of_the_reported_figures(report):
     decode, machine = data["decode"], data["machine"]
     rows = {(row["mode"], row["batch"]): row for row in decode["rows"]}
     for mode in ("fast", "invariant"):
-        assert decode["goals"][mode]["ratio"] == pytest.approx(rows[mode, REQUESTS]["vs_serial"])
+        goal, interleaved = decode["goals"][mode], decode["interleaved"][mode]
+        assert goal["separate_runs_ratio"] == pytest.approx(rows[mode, REQUESTS]["vs_serial"])
+        assert interleaved["batch"] == REQUESTS and min(interleaved["decode_steps"].values()) > 0
+        rates = interleaved["decode_tok_s"]
+        assert goal["ratio"] == interleaved["ratio"] == pytest.approx(rates["batched"] / rates["serial"])
     weight_read_s = data["weight_bytes_f32"] / machine["bandwidth"]
     batch1 = rows["fast", 1]["decode_step_ms"]["p50"] / 1e3 / weight_read_s
     assert decode["goals"]["batch1_step_vs_weight_read"]["ratio"] == pytest.approx(batch1)
