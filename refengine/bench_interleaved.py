@@ -21,7 +21,7 @@ def _decode_step(engine) -> tuple[float, int] | None:
     engine.step()
     seconds = time.perf_counter() - started
     scheduled = engine.trace[-1]["scheduled"]
-    engine.trace.clear()
+    engine.trace.clear()  # only this step's entry is read; a long run would otherwise keep every step
     return (seconds, len(scheduled)) if scheduled and all(s["phase"] == "decode" for s in scheduled) else None
 
 
