@@ -30,10 +30,10 @@ def _batch_sizes(args) -> list[int]:
     return batch_sizes
 
 
-def _run_decode(model, args, modes) -> tuple[dict, dict, dict | None]:
+def _run_decode(model, args, modes, batch_sizes) -> tuple[dict, dict, dict | None]:
     """The batch sweep, the goal batch interleaved with serial per mode, and with --hf the same
     workload through HF transformers."""
-    sweep = batch_sweep(model, modes, _batch_sizes(args), args.prompt_len, args.max_tokens, args.serial_requests)
+    sweep = batch_sweep(model, modes, batch_sizes, args.prompt_len, args.max_tokens, args.serial_requests)
     workload = random_requests(model, args.requests, args.prompt_len, args.max_tokens)
     serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.max_tokens)
     interleaved = {mode: interleaved_ratio(model, mode, workload, serial_workload) for mode in modes}
@@ -136,11 +136,10 @@ def run(args) -> int:
         from ..bench_hf import hf_available
         if not hf_available():
             raise RefengineError("--hf: needs torch and transformers (pip install 'refengine[parity]')")
-    if "decode" in scenarios:
-        _batch_sizes(args)  # a bad list fails now, not after the runs before it
+    batch_sizes = _batch_sizes(args) if "decode" in scenarios else None  # a bad list fails before any run
     model = load_model(model_dir)
     before = measure_machine()
-    decode = _run_decode(model, args, modes) if "decode" in scenarios else None
+    decode = _run_decode(model, args, modes, batch_sizes) if batch_sizes else None
     kestrel = run_kestrel(model, modes, args.max_tokens) if "kestrel" in scenarios else None
     reference = reference_refresh(model.path) if "reference" in scenarios else None
     machine = before.best(measure_machine())
