@@ -52,17 +52,15 @@ def test_decode_attention_over_paged_kv(benchmark, mode, batch):
     rng = np.random.default_rng(0)
     kv_heads, heads, head_dim = MID_SPEC.kv_heads, MID_SPEC.heads, MID_SPEC.head_dim
     blocks_per_seq = CONTEXT // BLOCK_SIZE
-    pool = rng.permutation(2 * batch * blocks_per_seq)[:batch * blocks_per_seq].reshape(batch, blocks_per_seq)
-    slots = (pool[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(batch, CONTEXT)
-    k_cache = rng.standard_normal((2 * batch * CONTEXT, kv_heads, head_dim), dtype=np.float32)
-    v_cache = rng.standard_normal((2 * batch * CONTEXT, kv_heads, head_dim), dtype=np.float32)
+    tables = rng.permutation(2 * batch * blocks_per_seq)[:batch * blocks_per_seq].reshape(batch, blocks_per_seq)
+    kv_cache = rng.standard_normal((2 * batch * blocks_per_seq, BLOCK_SIZE, 2, kv_heads, head_dim), dtype=np.float32)
     q = rng.standard_normal((batch, heads, head_dim), dtype=np.float32)
     scale = 1 / np.sqrt(head_dim)
 
     def attend():  # as the runner does: one sequence at a time
         for n in range(batch):
-            keys, values = np.take(k_cache, slots[n], axis=0), np.take(v_cache, slots[n], axis=0)
-            ATTEND[mode](q[n:n + 1], keys, values, CONTEXT - 1, scale)
+            context = kv_cache[tables[n]].reshape(CONTEXT, 2, kv_heads, head_dim)
+            ATTEND[mode](q[n:n + 1], context[:, 0], context[:, 1], CONTEXT - 1, scale)
 
     benchmark(attend)
     kv_bytes = 2 * batch * CONTEXT * kv_heads * head_dim * 4

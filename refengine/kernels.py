@@ -84,9 +84,11 @@ def linear_invariant(x, weight):
     return np.ascontiguousarray(out.transpose(0, 2, 1).reshape(tiles * TILE_ROWS, weight.shape[0])[:rows])
 
 
-def _softmax_rows(scores):
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True)
+def _softmax_rows(scores):  # in place: a decode step calls this per sequence and layer, allocation shows
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
 
 
 def attend_fast(q, k, v, start, scale):
@@ -97,7 +99,8 @@ def attend_fast(q, k, v, start, scale):
     num_kv_heads, context = k.shape[1], k.shape[0]
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(n, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)   # [KVH, G, n, D]
-    scores = (q_grouped @ k.transpose(1, 2, 0)[:, None]) * np.float32(scale)     # [KVH, G, n, ctx]
+    scores = q_grouped @ k.transpose(1, 2, 0)[:, None]                           # [KVH, G, n, ctx]
+    scores *= np.float32(scale)
     if n > 1:
         future = np.arange(context)[None, :] > start + np.arange(n)[:, None]      # [n, ctx]
         scores = np.where(future, np.float32(-np.inf), scores)

@@ -68,10 +68,10 @@ class ModelRunner:
         self.attend = attend_invariant if self.invariant else attend_fast
         self.fault, self.block_size = config.fault, config.block_size
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
-        cache_shape = (cfg.num_layers, config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # A token's key and value side by side, so a sequence's context is one gather of whole blocks.
         # np.zeros maps untouched pages lazily, so a generous pool costs memory only as it fills.
-        self.k_cache = np.zeros(cache_shape, dtype=np.float32)
-        self.v_cache = np.zeros(cache_shape, dtype=np.float32)
+        self.kv_cache = np.zeros((cfg.num_layers, config.num_blocks, config.block_size, 2, cfg.num_kv_heads,
+                                  cfg.head_dim), dtype=np.float32)
 
     def _project(self, x, weight, bias):
         y = self.linear(x, weight)
@@ -87,7 +87,7 @@ class ModelRunner:
         if self.fault == "kv-write-block-boundary-off-by-one":
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
         offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
-        contexts = [(c, block_manager.slot_mapping(c.seq.block_table, 0, c.end), lo, hi)
+        contexts = [(c, np.asarray(c.seq.block_table.block_ids[:block_manager.blocks_for(c.end)]), lo, hi)
                     for c, lo, hi in zip(chunks, offsets[:-1], offsets[1:])]
         cos, sin = self.cos[positions], self.sin[positions]
         scale = 1.0 / np.sqrt(cfg.head_dim)
@@ -103,19 +103,18 @@ class ModelRunner:
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache = self.k_cache[layer].reshape(-1, cfg.num_kv_heads, cfg.head_dim)  # [slots, KVH, D] view
-            v_cache = self.v_cache[layer].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            k_cache[slots], v_cache[slots] = k, v
+            kv_slots = self.kv_cache[layer].reshape(-1, 2, cfg.num_kv_heads, cfg.head_dim)  # [slots, 2, KVH, D]
+            kv_slots[slots, 0], kv_slots[slots, 1] = k, v
             attended = np.empty((num_tokens, q_size), dtype=np.float32)
             # One chunk at a time, decodes too: a sequence's gathered keys and values (1 MB for the
             # 0.6B shape at 128 tokens) stay in cache for both products, where stacking decodes into
             # one batched product (a copy of every sequence's prefix at once) ran 7% slower per step.
-            for chunk, context, lo, hi in contexts:
+            for chunk, blocks, lo, hi in contexts:
                 past = chunk.start
                 if self.fault == "chunked-prefill-past-off-by-one" and chunk.phase == "prefill" and past > 0:
                     past -= 1
-                keys, values = np.take(k_cache, context, axis=0), np.take(v_cache, context, axis=0)
-                attended[lo:hi] = self.attend(q[lo:hi], keys, values, past, scale)
+                context = self.kv_cache[layer, blocks].reshape(-1, 2, cfg.num_kv_heads, cfg.head_dim)[:chunk.end]
+                attended[lo:hi] = self.attend(q[lo:hi], context[:, 0], context[:, 1], past, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
             half = cfg.intermediate_size
