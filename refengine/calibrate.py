@@ -15,6 +15,7 @@ Hypothesis towards the worst case; README "Tolerances" has the largest ratio it 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from . import kernels, model_runner, reference
 from .comparison import logit_deviation, reference_baseline
 from .default_model import cache_dir
 from .errors import RefengineError
@@ -137,13 +139,26 @@ def stored_calibration(model: Model) -> dict | None:
     return None
 
 
+def numerics_digest() -> str:
+    """Of the sources whose arithmetic the bounds measure: a bound cached under another digest was
+    measured on other kernels, and may be too loose or too tight for these."""
+    digest = hashlib.sha256()
+    for module in (kernels, model_runner, reference):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cached_calibration_path(model: Model) -> Path:
+    return cache_dir() / "calibration" / f"{model.fingerprint.removeprefix('sha256:')[:16]}-{numerics_digest()}.json"
+
+
 def calibration_for(model: Model) -> dict:
     """The stored calibration of this model (golden/, then the refengine cache), measured and cached
     on first use."""
     stored = stored_calibration(model)
     if stored is not None:
         return stored
-    cached = cache_dir() / "calibration" / f"{model.fingerprint.removeprefix('sha256:')[:16]}.json"
+    cached = cached_calibration_path(model)
     if cached.exists():
         return load_calibration(cached)
     data = calibrate(model)

@@ -69,9 +69,12 @@ class ModelRunner:
         self.fault, self.block_size = config.fault, config.block_size
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # A token's key and value side by side, so a sequence's context is one gather of whole blocks.
-        # np.zeros maps untouched pages lazily, so a generous pool costs memory only as it fills.
-        self.kv_cache = np.zeros((cfg.num_layers, config.num_blocks, config.block_size, 2, cfg.num_kv_heads,
+        # The whole pool is written now, as a serving engine reserves its pool up front: left to fault in
+        # as blocks are first used, a step where 32 sequences cross into new blocks (896 blocks of the
+        # 0.6B shape) took 260 ms longer on the VMs this was measured on.
+        self.kv_cache = np.empty((cfg.num_layers, config.num_blocks, config.block_size, 2, cfg.num_kv_heads,
                                   cfg.head_dim), dtype=np.float32)
+        self.kv_cache.fill(0)
 
     def _project(self, x, weight, bias):
         y = self.linear(x, weight)

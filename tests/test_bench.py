@@ -49,8 +49,12 @@ def test_goals_are_ratios_of_the_reported_figures(report):
         rates = interleaved["decode_tok_s"]
         assert goal["ratio"] == interleaved["ratio"] == pytest.approx(rates["batched"] / rates["serial"])
     weight_read_s = data["weight_bytes_f32"] / machine["bandwidth"]
-    batch1 = rows["fast", 1]["decode_step_ms"]["p50"] / 1e3 / weight_read_s
-    assert decode["goals"]["batch1_step_vs_weight_read"]["ratio"] == pytest.approx(batch1)
+    batch1, reads = decode["goals"]["batch1_step_vs_weight_read"], decode["batch1_with_bandwidth_reads"]
+    assert batch1["best_bandwidth_ratio"] == pytest.approx(rows["fast", 1]["decode_step_ms"]["p50"] / 1e3 / weight_read_s)
+    assert batch1["ratio"] == reads["ratio"] > 0
+    assert reads["decode_steps"] == SERIAL_REQUESTS * (MAX_TOKENS - 1)  # every token after the first is a decode
+    low, high = reads["bandwidth_range"]
+    assert 0 < low <= reads["bandwidth_median"] <= high
     assert machine["bandwidth"] == max(machine["bandwidth_1thread"], machine["bandwidth_all"]) > 0
 
 

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from refengine.calibrate import GOLDEN_DIR, calibration_for, load_calibration
+from refengine.calibrate import (GOLDEN_DIR, cached_calibration_path, calibration_for, load_calibration,
+                                 numerics_digest, write_calibration)
 from refengine.cli import main
 from refengine.errors import RefengineError
 from strategies import tiny_model
@@ -28,6 +29,19 @@ def test_stored_bounds_still_cover_a_fresh_measurement(tmp_path):
     assert fresh["measured"]["batched_vs_serial_tokens"] > 100 and fresh["measured"]["f32_vs_f64_tokens"] > 100
     for bound in ("f32_batched_vs_serial", "f32_vs_f64"):
         assert 0 < fresh[bound] <= 2 * stored[bound], (bound, fresh[bound], stored[bound])
+
+
+def test_a_cached_calibration_is_used_only_with_the_kernels_it_was_measured_on(tmp_path, monkeypatch):
+    model = tiny_model("llama-mha-untied")  # not a golden model: its calibration lives in the cache
+    monkeypatch.setenv("REFENGINE_CACHE", str(tmp_path))
+    current = cached_calibration_path(model)
+    planted = {"model_fingerprint": model.fingerprint, "f32_batched_vs_serial": 1.0, "f32_vs_f64": 1.0,
+               "safety_factor": 8}
+    write_calibration(planted, current.with_name(current.name.replace(numerics_digest(), "0" * 12)))
+    measured = calibration_for(model)
+    assert measured["f32_vs_f64"] < 1.0 and load_calibration(current) == measured
+    write_calibration(planted, current)
+    assert calibration_for(model) == planted
 
 
 @pytest.mark.parametrize("content, message", [
