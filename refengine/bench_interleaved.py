@@ -4,11 +4,10 @@ The machines this runs on are VMs whose memory bandwidth moves with their host's
 for the same read within an hour), so a serial run and a batched run minutes apart can differ by 20%
 from that alone. Stepping a serial engine and a batched engine alternately gives both the same
 machine; the ratio of their decode rates is then the batching gain. Likewise a batch-1 step is held
-against the bandwidth read right after it, not against the best the machine showed at another time.
+against a read of memory right after it, not against the best the machine showed at another time.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ from tqdm import tqdm
 
 from .bench import BenchRequest, start_engine
 from .model import Model
-from .roofline import StreamingRead, streamed_parameters
+from .roofline import MatvecRead, streamed_parameters
 
 
 def _decode_step(engine) -> tuple[float, int] | None:
@@ -49,14 +48,14 @@ def interleaved_ratio(model: Model, mode: str, requests: list[BenchRequest], ser
 
 
 def batch1_vs_bandwidth(model: Model, requests: list[BenchRequest]) -> dict:
-    """Run `requests` one after another at batch 1 (fast), each decode step followed by a streaming
-    read on every core; per step, its time over the weight-read time at that read's bandwidth."""
+    """Run `requests` one after another at batch 1 (fast), each decode step followed by a matrix-vector
+    product over 512 MB; per step, its time over the weight-read time at that product's bandwidth."""
     engine = start_engine(model, requests, "fast", 1)
     weight_bytes = streamed_parameters(model.config) * 4
     ratios, bandwidths = [], []
-    with StreamingRead(os.cpu_count() or 1) as read, \
-            tqdm(total=sum(r.max_tokens for r in requests), desc="fast B=1 with bandwidth reads", unit="tok",
-                 leave=False) as bar:
+    read = MatvecRead()
+    with tqdm(total=sum(r.max_tokens for r in requests), desc="fast B=1 with bandwidth reads", unit="tok",
+              leave=False) as bar:
         while engine.has_unfinished():
             if (step := _decode_step(engine)) is not None:
                 bandwidths.append(read.bandwidth(repeats=1))

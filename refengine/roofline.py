@@ -37,32 +37,32 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-class StreamingRead:
-    """A numpy reduction over an array far larger than the caches, one slice per thread, kept
-    allocated so that it can be repeated between the steps of a benchmark."""
-
-    def __init__(self, threads: int):
-        self.data = np.ones(STREAM_BYTES // 4, dtype=np.float32)
-        self.slices = np.array_split(self.data, threads)
-        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
-
-    def bandwidth(self, repeats: int) -> float:
-        """Bytes per second of the fastest of `repeats` reads (after one to warm up)."""
-        read = self.data.max if self.pool is None else lambda: list(self.pool.map(np.max, self.slices))
-        return self.data.nbytes / _best_seconds(read, repeats)
-
-    def __enter__(self) -> StreamingRead:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-
-
 def streaming_bandwidth(threads: int, repeats: int = 5) -> float:
     """Bytes per second a numpy reduction reads from DRAM with `threads` threads."""
-    with StreamingRead(threads) as read:
-        return read.bandwidth(repeats)
+    data = np.ones(STREAM_BYTES // 4, dtype=np.float32)
+    slices = np.array_split(data, threads)
+    if threads == 1:
+        seconds = _best_seconds(data.max, repeats)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            seconds = _best_seconds(lambda: list(pool.map(np.max, slices)), repeats)
+    return data.nbytes / seconds
+
+
+class MatvecRead:
+    """A float32 matrix-vector product over STREAM_BYTES through numpy's BLAS: the read a batch-1
+    decode step makes, on the same BLAS threads. Between engine steps this is the bandwidth probe
+    that measures the machine rather than itself: a numpy thread pool there competes with OpenBLAS's
+    threads, which spin for a while after each call (measured: 29-40 GB/s right after a burst of
+    matrix-vector products where the same read gave 45 GB/s on an idle machine)."""
+
+    def __init__(self, width: int = 1024):
+        self.matrix = np.ones((STREAM_BYTES // 4 // width, width), dtype=np.float32)
+        self.vector = np.ones(width, dtype=np.float32)
+
+    def bandwidth(self, repeats: int) -> float:
+        """Bytes per second of the fastest of `repeats` products (after one to warm up)."""
+        return self.matrix.nbytes / _best_seconds(lambda: self.matrix @ self.vector, repeats)
 
 
 def foreign_cpu_seconds() -> float | None:
