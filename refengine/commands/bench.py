@@ -101,8 +101,8 @@ def _print_decode(result: dict) -> None:
             how = f" stepping in turn with serial; {goal['separate_runs_ratio']:.2f}x from the separate runs above"
         else:
             reads = result["batch1_with_bandwidth_reads"]
-            how = (f" (median over {reads['decode_steps']} steps, each against a 512 MB matrix-vector product right after it: "
-                   f"median {reads['bandwidth_median'] / 1e9:.1f} GB/s, range "
+            how = (f" (median over {reads['decode_steps']} steps, each against a 512 MB matrix-vector product "
+                   f"right after it: median {reads['bandwidth_median'] / 1e9:.1f} GB/s, range "
                    f"{reads['bandwidth_range'][0] / 1e9:.1f}-{reads['bandwidth_range'][1] / 1e9:.1f}); "
                    f"{goal['best_bandwidth_ratio']:.2f}x p50 step against the best bandwidth above")
         ratio = "n/a" if goal["ratio"] is None else f"{goal['ratio']:.2f}x"
