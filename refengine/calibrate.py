@@ -15,6 +15,7 @@ Hypothesis towards the worst case; README "Tolerances" has the largest ratio it 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -139,6 +140,7 @@ def stored_calibration(model: Model) -> dict | None:
     return None
 
 
+@functools.cache  # the sources do not change under a running process
 def numerics_digest() -> str:
     """Of the sources whose arithmetic the bounds measure: a bound cached under another digest was
     measured on other kernels, and may be too loose or too tight for these."""
