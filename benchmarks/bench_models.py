@@ -1,7 +1,7 @@
 """What the benchmarks share: the mid-size model, the batch sizes, the modes."""
 from __future__ import annotations
 
-from refengine.tiny import TinySpec
+from refengine.model.tiny import TinySpec
 
 # About 29M parameters (117 MB in float32): weights stream from memory rather than cache, yet the
 # whole benchmark set runs in a few minutes. `refengine bench --preset qwen3-0.6b-shape` measures

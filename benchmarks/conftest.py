@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from bench_models import MID_SPEC
 
-from refengine.bench import cached_model_dir
 from refengine.model import load_model
+from refengine.model.cache import cached_tiny_model
 
 
 @pytest.fixture(scope="session")
 def mid_model():
-    return load_model(cached_model_dir("bench-mid", MID_SPEC))
+    return load_model(cached_tiny_model("bench-mid", MID_SPEC))
 
 
 @pytest.fixture(scope="session")

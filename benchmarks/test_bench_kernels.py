@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bench_models import BATCH_SIZES, MID_SPEC, MODES
 
-from refengine.kernels import attend_fast, attend_invariant, fast_layout, linear_fast, linear_invariant
+from refengine.engine.kernels import (
+    attend_fast,
+    attend_invariant,
+    fast_layout,
+    linear_fast,
+    linear_invariant,
+)
 
 LINEAR = {"fast": linear_fast, "invariant": linear_invariant}
 

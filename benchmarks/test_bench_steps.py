@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from bench_models import BATCH_SIZES, MODES
 
-from refengine.bench import random_requests
+from refengine.bench.workloads import random_requests
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.sampling import SamplingParams
 

@@ -8,11 +8,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .model import Model
-from .sampling import SamplingParams, greedy_token, top2_margin, top_logprobs
-from .stopping import cut_at_stop_string, finish_reason
-from .weights import LayerWeights, Weights
+from .model import Model, ModelConfig
+from .model.weights import LayerWeights, Weights
+from .sampling import (
+    SamplingParams,
+    StepRecord,
+    cut_at_stop_string,
+    finish_reason,
+    greedy_token,
+    token_logprobs,
+    top2_margin,
+)
 
 
 def rms_norm(x, weight, eps):  # x [..., dim], weight [dim]
@@ -111,13 +117,6 @@ def prompt_logits(model: Model, ids, dtype=np.float64):
 
 
 @dataclass
-class StepRecord:
-    token_id: int
-    top2_margin: float
-    top_logprobs: list[tuple[int, float]]
-
-
-@dataclass
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
@@ -130,10 +129,13 @@ class GenerationResult:
         return [s.top2_margin for s in self.steps]
 
 
-def generate(model: Model, prompt_ids, params: SamplingParams, dtype=np.float64, top_k_logprobs: int = 5):
-    """Greedy decoding, one token per forward; records the margin and top-k logprobs of each step."""
+def generate(model: Model, prompt_ids, params: SamplingParams, dtype=np.float64, top_k_logprobs: int = 5,
+             keep_logits: bool = False) -> GenerationResult:
+    """Greedy decoding, one token per forward, stopping as the engine stops. Each step records the
+    token, the top-2 margin, the token's and the top-k log-probabilities, and with `keep_logits`
+    the logits row (what the suite and the calibration compare the engine's rows with)."""
     if not params.greedy:
-        raise ValueError("the reference decodes greedily; use the engine for seeded sampling")
+        raise ValueError("the reference decodes greedily; seeded requests have no float64 baseline")
     prompt_ids = model.check_prompt(prompt_ids)
     weights, cfg = model.weights(dtype), model.config
     detok = model.tokenizer.detokenizer()
@@ -142,14 +144,14 @@ def generate(model: Model, prompt_ids, params: SamplingParams, dtype=np.float64,
     token_ids, steps = [], []
     while True:
         token = greedy_token(logits)
+        logprob, top = token_logprobs(logits, token, top_k_logprobs)
         token_ids.append(token)
-        steps.append(StepRecord(token, top2_margin(logits), top_logprobs(logits, top_k_logprobs)))
+        steps.append(StepRecord(token, top2_margin(logits), top, logprob, logits=logits if keep_logits else None))
         detok.push(token)
         reason = finish_reason(token, len(token_ids), detok.text, params, cfg.eos_token_ids)
         if reason is None and len(prompt_ids) + len(token_ids) >= cfg.max_position_embeddings:
             reason = "length"
         if reason:
             detok.flush()
-            text = cut_at_stop_string(detok.text, params.stop)
-            return GenerationResult(prompt_ids, token_ids, text, reason, steps)
+            return GenerationResult(prompt_ids, token_ids, cut_at_stop_string(detok.text, params.stop), reason, steps)
         logits = forward(weights, cfg, [token], cache)[-1]

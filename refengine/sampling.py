@@ -1,4 +1,5 @@
-"""Choosing the next token from one logits row; shared by the reference and the engine.
+"""Choosing the next token from one logits row, recording it, and deciding when a request stops:
+shared by the float64 reference and the engine (which must not import each other).
 
 Every function reads one row only, so a row's result never depends on the batch around it.
 Seeded sampling draws its random number from (seed, token index) alone, so a sampled request
@@ -41,6 +42,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one generated token looked like, in the reference (no engine step) or the engine."""
+    token_id: int
+    top2_margin: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    logprob: float | None = None       # the token's own log-probability, when logprobs were asked for
+    step: int | None = None            # the engine step that produced it; None in the reference
+    logits_sha256: str | None = None   # of the float32 logits row (the engine's bit-exactness check)
+    logits: np.ndarray | None = field(default=None, repr=False, compare=False)  # kept only on request
 
 
 def greedy_token(logits: np.ndarray) -> int:
@@ -93,3 +106,23 @@ def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -
     cdf = np.cumsum(probs)
     pick = int(np.searchsorted(cdf, token_uniform(params.seed, token_index) * cdf[-1], side="right"))
     return int(order[min(pick, len(order) - 1)])
+
+
+def finish_reason(token_id: int, num_generated: int, text: str, params: SamplingParams,
+                  eos_token_ids) -> str | None:
+    """'stop' on an eos id, a stop token id or a stop string; 'length' at max_tokens; else None."""
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop"
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if any(s and s in text for s in params.stop):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None
+
+
+def cut_at_stop_string(text: str, stops) -> str:
+    """The text up to (not including) the earliest stop string, as OpenAI servers return it."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return text[:min(cuts)] if cuts else text

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from refengine.bench_kestrel import SHORT_TOKENS
+from refengine.bench.kestrel import SHORT_TOKENS
 from refengine.cli import main
 
 REQUESTS, PROMPT_LEN, MAX_TOKENS, SERIAL_REQUESTS = 4, 8, 5, 2

@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from refengine.block_manager import BlockManager, BlockTable
+from refengine.engine.block_manager import BlockManager, BlockTable
 
 
 def test_allocate_grows_table_to_cover_tokens_and_free_returns_everything():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from refengine.tiny import TinySpec, make_tiny
+from refengine.model.tiny import TinySpec, make_tiny
 
 SPEC = TinySpec(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=48, vocab=260)
 

@@ -6,11 +6,12 @@ import json
 import numpy as np
 import pytest
 
+from refengine.check.driver import run_schedule
+from refengine.check.schedule import load_schedule, parse_schedule
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.errors import RefengineError
 from refengine.reference import generate, prompt_logits
 from refengine.sampling import SamplingParams
-from refengine.schedule import load_schedule, parse_schedule, run_schedule
 
 GREEDY = dict(ignore_eos=True)
 SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.9, seed=3, ignore_eos=True)

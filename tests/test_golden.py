@@ -8,20 +8,20 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from refengine.calibrate import calibrate, stored_calibration
+from refengine.check.calibrate import calibrate, stored_calibration
+from refengine.check.golden import load_prompts, read_golden, refresh
+from refengine.check.golden_check import check
 from refengine.cli import main
+from refengine.cli.common import FAULT_ENV
+from refengine.data import shipped
 from refengine.errors import RefengineError
-from refengine.faults import ENV_VAR as FAULT_ENV
-from refengine.golden import load_prompts, read_golden, refresh
-from refengine.golden_check import check
 from refengine.model import load_model
-from refengine.tiny import TinySpec, make_tiny
+from refengine.model.tiny import TinySpec, make_tiny
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_DIR = shipped("golden")
 PROMPTS = GOLDEN_DIR / "prompts" / "seed-experiment.jsonl"
 # Each committed golden file and the tiny model it was made from (`refengine make-tiny DIR [flags]`).
 GOLDEN_MODELS = {
@@ -143,8 +143,9 @@ def test_a_tampered_high_margin_token_fails_with_a_readable_diff(golden_model, t
 
     assert main(["golden", "check", str(tampered), "--model", str(model_dir)]) == 1
     out = capsys.readouterr().out
-    assert f"{case['id']}: diverged at step {step}: expected token {runner_up} " in out
-    assert f", got {original} " in out and f"golden top-2 margin {case['margins'][step]:.6g} > tolerance" in out
+    assert f"{case['id']}: diverged at generated token {step}\n" in out
+    assert f"got token {original} " in out and f"golden token {runner_up} " in out
+    assert f"golden top-2 margin there {case['margins'][step]:.6g} > tolerance" in out
     assert "diverged 1" in out and out.rstrip().endswith("FAIL")
 
 

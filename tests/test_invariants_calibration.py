@@ -3,13 +3,20 @@ import json
 
 import pytest
 
-from refengine.calibrate import (GOLDEN_DIR, cached_calibration_path, calibration_for, load_calibration,
-                                 numerics_digest, write_calibration)
+from refengine.check.calibrate import (
+    cached_calibration_path,
+    calibration_for,
+    load_calibration,
+    numerics_digest,
+    write_calibration,
+)
 from refengine.cli import main
+from refengine.data import shipped
 from refengine.errors import RefengineError
-from strategies import tiny_model
+from refengine.strategies import tiny_model
 
 pytestmark = pytest.mark.invariants
+GOLDEN_DIR = shipped("golden")
 STORED = GOLDEN_DIR / "tiny-default.calibration.json"
 
 

@@ -10,14 +10,20 @@ from hypothesis import Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariant_harness import REPRO_DIR_VAR, PropertyFailure, check
 from refengine.cli import main
-from refengine.faults import ENV_VAR, FAULTS
-from strategies import tiny_model_names
-from test_invariants_batching import invariant_schedules
-from test_invariants_consistency import any_mode_schedules, other_budgets
-from test_invariants_reference import greedy_schedules
-from test_invariants_state_machine import SchedulerKVMachine
+from refengine.cli.common import FAULT_ENV as ENV_VAR
+from refengine.engine import FAULTS
+from refengine.strategies import tiny_model_names
+from refengine.suite.harness import (
+    REPRO_DIR_VAR,
+    PropertyFailure,
+    any_mode_schedules,
+    check,
+    greedy_schedules,
+    invariant_schedules,
+    other_budgets,
+)
+from refengine.suite.test_state_machine import SchedulerKVMachine
 
 pytestmark = pytest.mark.invariants
 MAX_SHRUNK_REQUESTS = 3

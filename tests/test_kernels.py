@@ -2,7 +2,13 @@
 import numpy as np
 import pytest
 
-from refengine.kernels import attend_fast, attend_invariant, fast_layout, linear_fast, linear_invariant
+from refengine.engine.kernels import (
+    attend_fast,
+    attend_invariant,
+    fast_layout,
+    linear_fast,
+    linear_invariant,
+)
 
 
 @pytest.mark.parametrize("out_features, in_features", [(4096, 256), (1000, 96), (48, 64)])

@@ -10,12 +10,11 @@ import pytest
 from safetensors.numpy import load_file as st_load_file
 from safetensors.numpy import save_file as st_save_file
 
-from refengine.config import load_config
 from refengine.errors import RefengineError
-from refengine.model import load_model
+from refengine.model import load_config, load_model
+from refengine.model.safetensors_io import SafetensorsFile, save_file
+from refengine.model.tiny import TinySpec, make_tiny
 from refengine.reference import prompt_logits
-from refengine.safetensors_io import SafetensorsFile, save_file
-from refengine.tiny import TinySpec, make_tiny
 
 SPEC = TinySpec(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=48, vocab=260)
 WEIGHTS = "model.safetensors"

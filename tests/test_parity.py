@@ -20,8 +20,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from refengine.config import load_config  # noqa: E402
-from refengine.model import load_model  # noqa: E402
+from refengine.model import (
+    load_config,  # noqa: E402
+    load_model,  # noqa: E402
+)
 from refengine.reference import KVCache, forward, prompt_logits  # noqa: E402
 
 pytestmark = pytest.mark.parity

@@ -1,12 +1,12 @@
 """The scheduler + KV state machine, driven without a forward pass: every sampled token is id 1."""
 import pytest
 
-from refengine.block_manager import BlockManager
-from refengine.engine_config import EngineConfig
+from refengine.engine import EngineConfig
+from refengine.engine.block_manager import BlockManager
+from refengine.engine.scheduler import Scheduler
+from refengine.engine.sequence import Sequence, SequenceStatus
 from refengine.errors import RefengineError
-from refengine.sampling import SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import Sequence, SequenceStatus, StepRecord
+from refengine.sampling import SamplingParams, StepRecord
 
 
 def make(tiny_model, **settings):
@@ -29,7 +29,7 @@ def run_step(scheduler, manager, step):
     for chunk in output.chunks:
         if chunk.samples:
             seq = chunk.seq
-            seq.append_token(StepRecord(step, 1, 1.0, ""))
+            seq.append_token(StepRecord(1, 1.0, step=step))
             if len(seq.output_ids) == seq.params.max_tokens:
                 scheduler.finish(seq, "length", step)
     manager.check_invariants()

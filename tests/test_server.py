@@ -19,7 +19,7 @@ import pytest
 
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.sampling import SamplingParams
-from refengine.server import OpenAIServer
+from refengine.serve import OpenAIServer
 
 DEADLINE_S = 30
 MAX_BODY = 64 * 1024

@@ -5,11 +5,11 @@ import sys
 import numpy as np
 import pytest
 
-from refengine.margins import measure_margins
+from refengine.check.margins import measure_margins
 from refengine.model import load_model
+from refengine.model.safetensors_io import bf16_bits_to_f32, f32_to_bf16_bits
+from refengine.model.tiny import TinySpec, make_tiny
 from refengine.reference import prompt_logits
-from refengine.safetensors_io import bf16_bits_to_f32, f32_to_bf16_bits
-from refengine.tiny import TinySpec, make_tiny
 
 
 def folder_digests(path):

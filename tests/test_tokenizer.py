@@ -1,11 +1,12 @@
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from refengine.errors import RefengineError
-from refengine.tokenizer import Tokenizer
-from refengine.tiny import SPECIAL_TOKENS
+from refengine.model.tiny import SPECIAL_TOKENS
+from refengine.model.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Japan?"}]
 

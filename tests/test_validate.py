@@ -9,18 +9,18 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from refengine.check.golden import read_golden
+from refengine.check.margin_rule import judge_ids, judge_text
 from refengine.cli import main
+from refengine.data import shipped
+from refengine.engine import FAULTS
 from refengine.errors import RefengineError
-from refengine.faults import FAULTS
-from refengine.golden import read_golden
-from refengine.margin_rule import judge_ids, judge_text
-from refengine.validate import Settings, plan
+from refengine.validate.board import Settings, plan
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "tiny-default.jsonl"
+GOLDEN = shipped("golden", "tiny-default.jsonl")
 DEADLINE_S = 60
 FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one KV block, batched or not
 
@@ -42,7 +42,7 @@ def test_ids_flipped_at_a_near_tie_are_explained_only_within_tolerance(golden):
     runner_up = case.top_logprobs[step][1][0]
     got = case.token_ids[:step] + [runner_up] + [0] * 5  # whatever follows a flip is not compared
     explained = judge_ids(case, got, "", tolerance=case.margins[step])
-    assert (explained.kind, explained.step, explained.expected, explained.got) == \
+    assert (explained.kind, explained.index, explained.want, explained.got) == \
         ("explained", step, case.token_ids[step], runner_up)
     assert explained.margin == case.margins[step]
     assert judge_ids(case, got, "", tolerance=case.margins[step] * 0.99).kind == "diverged"
@@ -51,9 +51,9 @@ def test_ids_flipped_at_a_near_tie_are_explained_only_within_tolerance(golden):
 def test_ids_longer_or_shorter_than_golden_diverge(golden):
     case = golden.cases[0]
     longer = judge_ids(case, case.token_ids + [7], case.text, tolerance=1e9)
-    assert (longer.kind, longer.step, longer.margin, longer.got) == ("diverged", len(case.token_ids), None, 7)
+    assert (longer.kind, longer.index, longer.margin, longer.got) == ("diverged", len(case.token_ids), None, 7)
     shorter = judge_ids(case, case.token_ids[:-1], case.text, tolerance=0.0)
-    assert (shorter.kind, shorter.step, shorter.got) == ("diverged", len(case.token_ids) - 1, None)
+    assert (shorter.kind, shorter.index, shorter.got) == ("diverged", len(case.token_ids) - 1, None)
 
 
 # --- the margin rule by text alignment ------------------------------------------------------------
@@ -65,7 +65,7 @@ def test_text_equal_to_golden_matches(golden):
 def test_text_beyond_the_golden_answer_diverges(golden):
     case = golden.cases[0]
     verdict = judge_text(case, case.text + "more", tolerance=1e9)
-    assert (verdict.kind, verdict.step, verdict.margin) == ("diverged", len(case.token_ids), None)
+    assert (verdict.kind, verdict.index, verdict.margin) == ("diverged", len(case.token_ids), None)
 
 
 def visible_steps(golden):
@@ -78,10 +78,10 @@ def test_text_changed_at_a_token_diverges_at_that_token(golden):
     settled = case.text_before(step)
     other = "#" if case.text[len(settled)] != "#" else "$"
     verdict = judge_text(case, settled + other + "tail", tolerance=golden.tolerance)
-    assert (verdict.kind, verdict.step, verdict.compared_by) == ("diverged", step, "text")
-    assert verdict.expected_text.startswith(case.piece(step)) and verdict.got_text == other + "tail"
+    assert (verdict.kind, verdict.index, verdict.compared_by) == ("diverged", step, "text")
+    assert verdict.want_text.startswith(case.piece(step)) and verdict.got_text == other + "tail"
     explained = judge_text(case, settled + other, tolerance=case.margins[step])
-    assert (explained.kind, explained.step) == ("explained", step)
+    assert (explained.kind, explained.index) == ("explained", step)
 
 
 def test_text_divergence_can_be_blamed_on_a_token_that_showed_no_text(golden):
@@ -95,9 +95,9 @@ def test_text_divergence_can_be_blamed_on_a_token_that_showed_no_text(golden):
     got = case.text_before(silent) + "#"
     assert not case.text.startswith(got)
     blamed = judge_text(case, got, tolerance=case.margins[silent])
-    assert (blamed.kind, blamed.step) == ("explained", silent)
+    assert (blamed.kind, blamed.index) == ("explained", silent)
     strict = min(case.margins[silent:visible + 1]) * 0.99
-    assert (judge_text(case, got, strict).kind, judge_text(case, got, strict).step) == ("diverged", visible)
+    assert (judge_text(case, got, strict).kind, judge_text(case, got, strict).index) == ("diverged", visible)
 
 
 # --- the schedule --------------------------------------------------------------------------------
@@ -208,7 +208,8 @@ def test_validate_fails_against_a_server_with_a_fault(serve, tmp_path, capsys):
     assert all(r["margin"] is None or r["margin"] > report["settings"]["tolerance"] for r in diverged)
     assert all(r["expected"] != r["got"] for r in diverged)
     first = diverged[0]
-    assert f"{first['id']}: diverged at step {first['step']}: expected token {first['expected']}, got {first['got']}" in out
+    assert f"{first['id']}: diverged at generated token {first['step']}\n  got token {first['got']}, golden token " \
+           f"{first['expected']}" in out
     assert "-> FAIL" in out
 
 

@@ -1,0 +1,198 @@
+"""`refengine bench`: what it runs and the report it prints -- decode throughput of the batching
+engine vs serial in both kernel modes against the roofline, the Kestrel scenario, the float64
+reference's refresh rate, and optionally HF transformers on the same workload."""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..engine import MODES
+from ..errors import RefengineError
+from ..model import Model
+from .interleaved import batch1_vs_bandwidth, interleaved_ratio
+from .kestrel import kestrel_report, run_kestrel
+from .roofline import Roofline, measure_machine
+from .workloads import batch_sweep, random_requests, reference_refresh, reference_report
+
+SCENARIOS = ("decode", "kestrel", "reference")
+GOALS = {"fast": 5.0, "invariant": 3.0}  # batched decode throughput / serial, at the largest batch
+BATCH1_GOAL = 1.4                        # batch-1 decode step / (weight bytes / bandwidth)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    requests: int = 32             # concurrent requests of the batched run
+    prompt_len: int = 64
+    max_tokens: int = 128          # new tokens per request (eos ignored)
+    serial_requests: int = 2       # requests run one by one at batch 1
+    modes: tuple[str, ...] = MODES
+    batch_sizes: tuple[int, ...] = ()  # swept besides 1 and `requests`
+    scenarios: tuple[str, ...] = ("decode",)
+    hf: bool = False
+    plot: str | None = None        # a PNG of step time and tok/s vs batch size
+    sweep: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown or not self.scenarios:
+            raise RefengineError(f"scenario: expected a list of {', '.join(SCENARIOS)}, got {list(self.scenarios)}")
+        bad_modes = [m for m in self.modes if m not in MODES]
+        if bad_modes or not self.modes:
+            raise RefengineError(f"mode: expected {', '.join(MODES)}, got {list(self.modes)}")
+        for name in ("requests", "prompt_len", "max_tokens", "serial_requests"):
+            if getattr(self, name) < 1:
+                raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise RefengineError(f"batch_sizes: batch sizes must be positive, got {list(self.batch_sizes)}")
+        object.__setattr__(self, "sweep", sorted({1, *self.batch_sizes, self.requests}))
+
+
+def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | None]:
+    """The batch sweep, the goal batch interleaved with serial per mode, batch 1 interleaved with
+    bandwidth reads, and with --hf the same workload through HF transformers."""
+    modes = list(args.modes)
+    sweep = batch_sweep(model, modes, args.sweep, args.prompt_len, args.max_tokens, args.serial_requests)
+    workload = random_requests(model, args.requests, args.prompt_len, args.max_tokens)
+    serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.max_tokens)
+    interleaved = {mode: interleaved_ratio(model, mode, workload, serial_workload) for mode in modes}
+    batch1 = batch1_vs_bandwidth(model, serial_workload)
+    if not args.hf:
+        return sweep, interleaved, batch1, None
+    from .hf import hf_decode
+    return sweep, interleaved, batch1, {"batched": hf_decode(model.path, workload),
+                                "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len,
+                                                                                args.max_tokens))}
+
+
+def _decode(model, args: BenchSettings, sweep, interleaved, batch1, hf, machine, roofline) -> dict:
+    serial = sweep["fast"][1]
+    rows = []
+    for mode, runs in sweep.items():
+        for batch, stats in sorted(runs.items()):
+            bound = roofline.step_seconds(batch, stats.mean_decode_context)
+            rows.append(stats.to_json() | {
+                "batch": batch, "vs_serial": stats.decode_tok_s / serial.decode_tok_s,
+                "roofline_step_ms": bound * 1e3, "roofline_tok_s": batch / bound,
+                "roofline_fraction": bound * 1e3 / stats.decode_step_ms["p50"]})
+    goals = {mode: {"ratio": interleaved[mode]["ratio"], "goal": GOALS[mode],
+                    "separate_runs_ratio": sweep[mode][args.requests].decode_tok_s / serial.decode_tok_s}
+             for mode in args.modes}
+    goals["batch1_step_vs_weight_read"] = {
+        "ratio": batch1["ratio"], "goal": BATCH1_GOAL,
+        "best_bandwidth_ratio": serial.decode_step_ms["p50"] / 1e3 / (roofline.weight_bytes / machine.bandwidth)}
+    result = {"rows": rows, "goals": goals, "interleaved": interleaved, "batch1_with_bandwidth_reads": batch1,
+              "serial_requests": args.serial_requests,
+              "sweep": {mode: {str(b): s.to_json() for b, s in runs.items()} for mode, runs in sweep.items()}}
+    if hf is not None:
+        hf["engine_vs_hf"] = {"batched_fast": sweep["fast"][args.requests].decode_tok_s / hf["batched"]["decode_tok_s"],
+                              "serial": serial.decode_tok_s / hf["serial"]["decode_tok_s"]}
+        if "invariant" in sweep:
+            hf["engine_vs_hf"]["batched_invariant"] = (sweep["invariant"][args.requests].decode_tok_s
+                                                       / hf["batched"]["decode_tok_s"])
+        result["hf"] = hf
+    if args.plot:
+        from .plot import plot_sweep
+        context = float(np.mean([s.mean_decode_context for runs in sweep.values() for s in runs.values()]))
+        title = (f"{model.path.name}: {roofline.parameters / 1e6:.0f}M params, prompt {args.prompt_len}, "
+                 f"{args.max_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
+                 f"sgemm {machine.sgemm_flops / 1e9:.0f} GFLOP/s")
+        result["plot"] = str(plot_sweep(args.plot, result["sweep"], roofline, context, title))
+    return result
+
+
+def _print_decode(result: dict) -> None:
+    print(f"{'B':>3} {'mode':<9} {'tok/s':>8} {'step p50':>9} {'p90':>8} {'p99':>8} {'TTFT s':>7} "
+          f"{'TPOT ms':>8} {'x serial':>8} {'roofline ms':>11} {'% roof':>6} {'steps':>6} {'contended':>9}")
+    for row in sorted(result["rows"], key=lambda r: (r["batch"], r["mode"])):
+        step = row["decode_step_ms"]
+        print(f"{row['batch']:>3} {row['mode']:<9} {row['decode_tok_s']:>8.1f} {step['p50']:>9.1f} {step['p90']:>8.1f} "
+              f"{step['p99']:>8.1f} {row['ttft_s_mean']:>7.2f} {(row['tpot_s_mean'] or 0) * 1e3:>8.1f} "
+              f"{row['vs_serial']:>8.2f} {row['roofline_step_ms']:>11.1f} {100 * row['roofline_fraction']:>5.0f}% "
+              f"{row['decode_steps']:>6} {row['contended_steps']:>9}{'' if row['quiet_only'] else ' (all used)'}")
+    print(f"(B=1 rows: {result['serial_requests']} requests one after another; serial = B=1 fast; step figures "
+          f"over decode-only steps without 'contended' ones -- steps during which other processes competed for the "
+          f"cores -- unless too few were quiet)")
+    for name, goal in result["goals"].items():
+        met = goal["ratio"] is not None and (goal["ratio"] >= goal["goal"] if name in GOALS
+                                             else goal["ratio"] <= goal["goal"])
+        if name in GOALS:
+            how = f" stepping in turn with serial; {goal['separate_runs_ratio']:.2f}x from the separate runs above"
+        else:
+            reads = result["batch1_with_bandwidth_reads"]
+            how = (f" (median over {reads['decode_steps']} steps, each against a 512 MB matrix-vector product "
+                   f"right after it: median {reads['bandwidth_median'] / 1e9:.1f} GB/s, range "
+                   f"{reads['bandwidth_range'][0] / 1e9:.1f}-{reads['bandwidth_range'][1] / 1e9:.1f}); "
+                   f"{goal['best_bandwidth_ratio']:.2f}x p50 step against the best bandwidth above")
+        ratio = "n/a" if goal["ratio"] is None else f"{goal['ratio']:.2f}x"
+        print(f"goal {name}: {ratio}{how} (goal {'>=' if name in GOALS else '<='} {goal['goal']}x) "
+              f"{'met' if met else 'NOT met'}")
+    if "hf" in result:
+        hf = result["hf"]
+        print(f"HF transformers (torch {hf['batched']['torch']}, {hf['batched']['torch_threads']} threads): "
+              f"batched {hf['batched']['decode_tok_s']:.1f} tok/s, serial {hf['serial']['decode_tok_s']:.1f} tok/s; "
+              + ", ".join(f"engine {k} / HF = {v:.2f}x" for k, v in hf["engine_vs_hf"].items()))
+    if "plot" in result:
+        print(f"plot: {result['plot']}")
+
+
+def _print_kestrel(result: dict) -> None:
+    for workload, data in result.items():
+        runs = data["runs"]
+        print(f"kestrel {workload}: max_tokens {data['max_tokens']}, prompts {data['prompt_tokens']} tokens")
+        for name, run in runs.items():
+            speedup = "" if name == "serial" else f"  batched speedup {data['batched_speedup'][name]:.2f}x"
+            print(f"  {name:<9} wall {run['wall_s']:7.2f} s  first answer {run['latency_s_first']:6.2f} s  "
+                  f"mean latency {run['latency_s_mean']:6.2f} s  "
+                  f"mean TTFT {run['ttft_s_mean']:6.2f} s{speedup}")
+        predicted = data["predicted_s"]
+        print(f"  roofline model: serial {predicted['serial']:.2f} s, batched {predicted['batched']:.2f} s "
+              f"({predicted['serial'] / predicted['batched']:.2f}x)")
+
+
+def run_bench(model: Model, args: BenchSettings) -> dict:
+    """Every scenario of `args` in one process, the machine measured before and after; the report."""
+    if args.hf:
+        from .hf import hf_available
+        if not hf_available():
+            raise RefengineError("hf: needs torch and transformers (pip install 'refengine[parity]')")
+    modes = list(args.modes)
+    before = measure_machine()
+    decode = _run_decode(model, args) if "decode" in args.scenarios else None
+    kestrel = run_kestrel(model, modes, args.max_tokens) if "kestrel" in args.scenarios else None
+    reference = reference_refresh(model.path) if "reference" in args.scenarios else None
+    machine = before.best(measure_machine())
+    roofline = Roofline.of(model.config, machine)
+    report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
+              "machine": machine.to_json() | {"cpu": platform.processor() or platform.machine()},
+              "numpy": np.__version__, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
+                                                    "max_tokens": args.max_tokens}}
+    if decode is not None:
+        report["decode"] = _decode(model, args, *decode, machine, roofline)
+    if kestrel is not None:
+        report["kestrel"] = kestrel_report(kestrel, roofline)
+    if reference is not None:
+        report["reference"] = reference_report(reference, model.config, machine)
+    report["load_average_after"] = os.getloadavg()[0]
+    return report
+
+
+def print_report(report: dict) -> None:
+    machine, weight_bytes = report["machine"], report["weight_bytes_f32"]
+    print(f"model {report['model']}: {report['parameters']:,} streamed params, f32 weights "
+          f"{weight_bytes / 1e9:.2f} GB")
+    print(f"machine (best of before and after the runs): streaming read {machine['bandwidth_1thread'] / 1e9:.1f} GB/s "
+          f"(1 thread), {machine['bandwidth_all'] / 1e9:.1f} GB/s ({machine['threads']} threads); sgemm "
+          f"{machine['sgemm_flops'] / 1e9:.0f} GFLOP/s; weight read {weight_bytes / machine['bandwidth'] * 1e3:.1f} ms; "
+          f"load average {machine['load_average']:.2f} before, {report['load_average_after']:.2f} after")
+    if "decode" in report:
+        _print_decode(report["decode"])
+    if "kestrel" in report:
+        _print_kestrel(report["kestrel"])
+    if "reference" in report:
+        ref = report["reference"]
+        print(f"float64 reference decode: {ref['decode_s_per_token'] * 1e3:.0f} ms/token vs roofline "
+              f"{ref['roofline_s_per_token'] * 1e3:.0f} ms (f64 weights {ref['weight_bytes'] / 1e9:.2f} GB): "
+              f"{100 * ref['roofline_fraction']:.0f}% of roofline")

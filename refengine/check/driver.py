@@ -1,0 +1,97 @@
+"""The one schedule driver: a schedule's requests join the engine at their arrival steps, leave at
+their abort steps, and the engine steps until all have finished. Every batched run in refengine
+(the properties, replay, calibration, golden check, run-schedule) goes through `run_batched`, and
+every request-alone baseline through `run_alone`, so they all mean the same thing by a schedule.
+
+The batched driver also watches the engine: it stops at the first engine failure and returns it
+(KV accounting broken after a step, a step that schedules nothing while requests wait, no end after
+STEP_ALLOWANCE steps per token, blocks still in use when everything has finished).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..engine import EngineConfig, LLMEngine, RequestOutput
+from ..errors import RefengineError
+from ..model import Model
+from .schedule import Schedule, ScheduledRequest
+
+STEP_ALLOWANCE = 10  # steps per prompt or generated token before a run counts as stuck (preemption recomputes)
+
+
+def configured(config: EngineConfig, mode: str | None = None, fault: str | None = None) -> EngineConfig:
+    """A schedule's engine settings with the caller's mode and fault overrides (None keeps the schedule's)."""
+    if mode is not None:
+        config = replace(config, mode=mode)
+    return replace(config, fault=fault) if fault is not None else config
+
+
+def _add(engine: LLMEngine, request: ScheduledRequest, source: str) -> None:
+    try:
+        engine.add_request(request.id, **request.prompt, params=request.params)
+    except RefengineError as e:
+        raise RefengineError(f"{source}: {e}") from None
+
+
+def run_batched(model: Model, schedule: Schedule, config: EngineConfig, *, keep_logits: bool = True,
+                on_events=None) -> tuple[LLMEngine, str | None]:
+    """The schedule as written on an engine with `config`; `on_events(events)` sees each step's
+    TokenEvents. Returns the engine and the first engine failure (None when there was none)."""
+    engine = LLMEngine(model, config, keep_logits=keep_logits)
+    pending = sorted(schedule.requests, key=lambda r: r.arrival_step)
+    aborts = sorted((r.abort_step, r.id) for r in schedule.requests if r.abort_step is not None)
+    max_steps = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].arrival_step <= engine.num_steps:
+            request = pending.pop(0)
+            _add(engine, request, schedule.source)
+            prompt = engine.output(request.id).prompt_ids
+            max_steps = max(max_steps, engine.num_steps) + STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens)
+        while aborts and aborts[0][0] <= engine.num_steps:
+            engine.abort(aborts.pop(0)[1])
+        events = engine.step()
+        if on_events:
+            on_events(events)
+        status = engine.status()
+        if not engine.trace[-1]["scheduled"] and status["running"] + status["waiting"]:
+            return engine, (f"step {engine.num_steps - 1} scheduled nothing while {status['waiting']} requests "
+                            f"wait and {status['running']} run")
+        if engine.num_steps > max_steps and not pending:
+            return engine, f"no end after {engine.num_steps} steps"
+        try:
+            engine.check_invariants()
+        except AssertionError as e:
+            return engine, f"after step {engine.num_steps - 1}: {e}"
+    used = engine.block_manager.num_used_blocks
+    return engine, f"{used} KV blocks still in use after every request finished" if used else None
+
+
+def run_alone(model: Model, config: EngineConfig, request: ScheduledRequest, *, keep_logits: bool = True,
+              source: str = "<schedule>") -> RequestOutput:
+    """`request` alone (max_num_seqs=1, otherwise `config`), from its arrival to its natural stop:
+    an aborted request's batched tokens must be a prefix of this."""
+    engine = LLMEngine(model, replace(config, max_num_seqs=1), keep_logits=keep_logits)
+    _add(engine, request, source)
+    return engine.run()[request.id]
+
+
+def run_schedule(model: Model, schedule: Schedule, mode: str | None = None, serial: bool = False) -> dict:
+    """Run `schedule` batched, or with `serial` each request alone; the run-output object of
+    FORMATS.md (plus optional keys; README lists them)."""
+    config = configured(schedule.engine, mode)
+    if serial:
+        engine, failure = LLMEngine(model, replace(config, max_num_seqs=1)), None
+        for request in schedule.requests:  # one engine, one request at a time, abort_step ignored
+            _add(engine, request, schedule.source)
+            engine.run()
+    else:
+        engine, failure = run_batched(model, schedule, config, keep_logits=False)
+    return {
+        "model": model.fingerprint,
+        "engine": engine.config.settings(),
+        "serial": serial,
+        "requests": {rid: out.to_json() for rid, out in engine.outputs().items()},
+        "trace": engine.trace,
+        "metrics": engine.metrics,
+        **({"engine_failure": failure} if failure else {}),
+    }

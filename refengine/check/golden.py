@@ -1,0 +1,220 @@
+"""Golden files: the float64 reference's answers to a prompt set, kept as JSONL next to the code.
+
+A float32 engine or a device's server is judged against them without rerunning the reference
+(format: FORMATS.md). Writing is deterministic (fixed key order, floats as repr) so an unchanged
+model and prompt set refresh to the same bytes, and atomic so an interrupted refresh leaves the
+old file in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import RefengineError
+from ..model import Model
+from ..reference import generate
+from ..sampling import SamplingParams
+from .calibrate import tolerance
+
+GOLDEN_FORMAT = 1
+TOP_K_LOGPROBS = 5
+PROMPT_KEYS = {"id", "prompt", "messages", "max_tokens"}
+CASE_KEYS = ("prompt_ids", "max_tokens", "token_ids", "text", "finish_reason", "margins", "top_logprobs",
+             "text_offsets")  # each case line: id, then prompt or messages, then these
+OPTIONAL_CASE_KEYS = ("text_offsets",)  # our extension of FORMATS.md; without it text cannot be aligned
+NOISE_KEYS = ("f32_vs_f64", "safety_factor")
+
+
+@dataclass(frozen=True)
+class PromptCase:
+    id: str
+    max_tokens: int
+    prompt: str | None = None
+    messages: list | None = None
+
+    def encode(self, model: Model) -> list[int]:
+        ids = model.tokenizer.encode_chat(self.messages) if self.messages else model.tokenizer.encode(self.prompt)
+        return model.check_prompt(ids, f"case {self.id!r}")
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    id: str
+    prompt: str | None
+    messages: list | None
+    prompt_ids: list[int]
+    max_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    margins: list[float]
+    top_logprobs: list[list]
+    text_offsets: list[int] | None  # len(text) once token i is detokenized: text[:text_offsets[i]] is settled
+
+    def text_before(self, step: int) -> str:
+        return self.text[:self.text_offsets[step - 1]] if step > 0 and self.text_offsets else ""
+
+    def piece(self, step: int) -> str:
+        """The text token `step` settles (empty while a multi-byte character is still incomplete)."""
+        return self.text[len(self.text_before(step)):self.text_offsets[step]]
+
+
+@dataclass(frozen=True)
+class Golden:
+    path: Path
+    header: dict
+    cases: list[GoldenCase]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["model_fingerprint"]
+
+    @property
+    def tolerance(self) -> float:
+        """The largest top-2 margin float32-vs-float64 noise can flip: measured bound x safety factor."""
+        return tolerance(self.header["noise"], "f32_vs_f64")
+
+    def require_model(self, model: Model) -> None:
+        if model.fingerprint != self.fingerprint:
+            raise RefengineError(
+                f"{self.path}: model fingerprint mismatch: the golden file was made from {self.fingerprint}, "
+                f"{model.path} is {model.fingerprint}; use that model or refresh the golden file for this one")
+
+
+def _json_lines(path: Path):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise RefengineError(f"{path}: cannot read ({e.strerror})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RefengineError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise RefengineError(f"{path}:{number}: expected a JSON object")
+        yield f"{path}:{number}", obj
+
+
+def _is_chat(messages) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+
+
+def load_prompts(path: str | Path) -> list[PromptCase]:
+    cases, seen = [], set()
+    for where, obj in _json_lines(Path(path)):
+        unknown = set(obj) - PROMPT_KEYS
+        if unknown:
+            raise RefengineError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        case_id, max_tokens = obj.get("id"), obj.get("max_tokens")
+        if not isinstance(case_id, str) or not case_id:
+            raise RefengineError(f"{where}: 'id' must be a non-empty string")
+        if case_id in seen:
+            raise RefengineError(f"{where}: duplicate id {case_id!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RefengineError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+        if ("prompt" in obj) == ("messages" in obj):
+            raise RefengineError(f"{where}: give exactly one of 'prompt' (text) or 'messages' (chat)")
+        if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
+            raise RefengineError(f"{where}: 'prompt' must be a non-empty string")
+        if "messages" in obj and not _is_chat(obj["messages"]):
+            raise RefengineError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} strings")
+        seen.add(case_id)
+        cases.append(PromptCase(case_id, max_tokens, obj.get("prompt"), obj.get("messages")))
+    if not cases:
+        raise RefengineError(f"{path}: no prompts")
+    return cases
+
+
+def reference_case(model: Model, case: PromptCase) -> GoldenCase:
+    prompt_ids = case.encode(model)
+    result = generate(model, prompt_ids, SamplingParams(max_tokens=case.max_tokens), top_k_logprobs=TOP_K_LOGPROBS)
+    detok, offsets = model.tokenizer.detokenizer(), []
+    for token in result.token_ids:
+        detok.push(token)
+        offsets.append(len(detok.text))
+    detok.flush()
+    offsets[-1] = len(detok.text)
+    return GoldenCase(case.id, case.prompt, case.messages, prompt_ids, case.max_tokens, result.token_ids,
+                      result.text, result.finish_reason, result.margins,
+                      [[[i, lp] for i, lp in s.top_logprobs] for s in result.steps], offsets)
+
+
+def golden_header(model: Model, prompts_path: Path, noise: dict) -> dict:
+    header = {"golden": GOLDEN_FORMAT, "model_fingerprint": model.fingerprint, "refengine": __version__,
+              "precision": "f64", "noise": noise,
+              "generation": {"decoding": "greedy", "temperature": 0, "top_logprobs": TOP_K_LOGPROBS,
+                             "eos_token_ids": list(model.config.eos_token_ids)},
+              "prompts": prompts_path.name, "architecture": model.config.arch}
+    recipe = model.path / "refengine_tiny.json"
+    if recipe.exists():  # how `refengine make-tiny` built this model, so anyone can rebuild it
+        header["tiny_model"] = json.loads(recipe.read_text(encoding="utf-8"))
+    return header
+
+
+def case_line(case: GoldenCase) -> dict:
+    source = {"messages": case.messages} if case.messages else {"prompt": case.prompt}
+    return {"id": case.id, **source, **{key: getattr(case, key) for key in CASE_KEYS}}
+
+
+def write_golden(path: Path, header: dict, cases: list[GoldenCase]) -> None:
+    lines = [json.dumps(header, ensure_ascii=False)] + [json.dumps(case_line(c), ensure_ascii=False) for c in cases]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temp, "w", encoding="utf-8", newline="\n") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def refresh(model: Model, prompts_path: str | Path, prompts: list[PromptCase], out: str | Path,
+            noise: dict) -> Golden:
+    """Run the float64 reference on every prompt (loaded from `prompts_path`) and atomically write the
+    golden file; `noise` is the model's calibration (refengine.calibrate), kept for the margin rule."""
+    out = Path(out)
+    cases = [reference_case(model, p) for p in tqdm(prompts, desc=f"golden {out.name}", unit="case")]
+    header = golden_header(model, Path(prompts_path), noise)
+    write_golden(out, header, cases)
+    return Golden(out, header, cases)
+
+
+def _parse_case(where: str, obj: dict) -> GoldenCase:
+    missing = [k for k in ("id",) + CASE_KEYS if k not in obj and k not in OPTIONAL_CASE_KEYS]
+    if missing:
+        raise RefengineError(f"{where}: missing key(s) {', '.join(missing)}")
+    n = len(obj["token_ids"])
+    if not n or any(len(obj[k]) != n for k in ("margins", "top_logprobs", "text_offsets") if k in obj):
+        raise RefengineError(f"{where}: token_ids, margins, top_logprobs and text_offsets must have one "
+                             f"entry per generated token")
+    return GoldenCase(obj["id"], obj.get("prompt"), obj.get("messages"), **{k: obj.get(k) for k in CASE_KEYS})
+
+
+def read_golden(path: str | Path) -> Golden:
+    path = Path(path)
+    lines = list(_json_lines(path))
+    if not lines:
+        raise RefengineError(f"{path}: empty golden file")
+    where, header = lines[0]
+    if header.get("golden") != GOLDEN_FORMAT:
+        raise RefengineError(f"{where}: not a golden file header (expected \"golden\": {GOLDEN_FORMAT})")
+    noise = header.get("noise")
+    if not isinstance(header.get("model_fingerprint"), str) or not isinstance(noise, dict) or \
+            any(not isinstance(noise.get(k), (int, float)) for k in NOISE_KEYS):
+        raise RefengineError(f"{where}: header needs model_fingerprint and noise.{'/'.join(NOISE_KEYS)}")
+    cases = [_parse_case(w, obj) for w, obj in lines[1:]]
+    if not cases:
+        raise RefengineError(f"{path}: no cases")
+    return Golden(path, header, cases)

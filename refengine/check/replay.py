@@ -1,0 +1,137 @@
+"""Re-run a schedule and judge every request against a baseline: the loop behind every property of
+the invariants suite, and behind `refengine replay` for the repro files they write.
+
+The schedule runs batched as written (check.driver, with the engine's own checks after every step).
+Each request is then judged (check.comparison) against one of the baselines of AGAINST. Invariant
+mode must match bit for bit (token ids and logits sha256); fast mode, and any comparison with the
+float64 reference, is judged by the margin rule with the model's calibrated tolerance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..engine import EngineConfig, RequestOutput
+from ..errors import RefengineError
+from ..model import Model
+from ..reference import generate
+from ..sampling import SamplingParams
+from .calibrate import tolerance
+from .comparison import compare_request, logit_deviation
+from .driver import configured, run_alone, run_batched
+from .margin_rule import Verdict, describe
+from .schedule import Schedule, ScheduledRequest
+
+AGAINST = {
+    "serial": "each request alone (max_num_seqs=1, same settings), run to its natural stop",
+    "budget": "the same schedule under another max_num_batched_tokens (other prefill chunks)",
+    "reference": "the float64 serial reference (greedy requests; the margin rule with the f32-vs-f64 bound)",
+    "prefill": "each decode step of a request alone against a fresh prefill of the same prefix",
+}
+
+
+class Baselines:
+    """Runs the baselines requests are judged against; the suite memoizes them (shrinking re-runs
+    the same requests many times)."""
+
+    def alone(self, model: Model, config: EngineConfig, request: ScheduledRequest) -> RequestOutput:
+        return run_alone(model, config, request)
+
+    def reference(self, model: Model, prompt_ids: list[int], params: SamplingParams):
+        return generate(model, prompt_ids, params, top_k_logprobs=0, keep_logits=True)
+
+
+@dataclass
+class ReplayResult:
+    schedule: Schedule
+    config: EngineConfig
+    against: str
+    verdicts: dict[str, Verdict]
+    outputs: dict[str, RequestOutput]
+    trace: list[dict]
+    tolerance: float | None            # the margin rule's tolerance; None when bit-exact
+    engine_failure: str | None = None
+    names: tuple[str, str] = ("batched", "alone")
+
+    @property
+    def passed(self) -> bool:
+        return self.engine_failure is None and all(v.passed for v in self.verdicts.values())
+
+    @property
+    def divergences(self) -> list[Verdict]:
+        return [v for v in self.verdicts.values() if not v.passed]
+
+    def report(self) -> str:
+        c = self.config
+        rule = "bit-exact" if self.tolerance is None else f"margin rule, tolerance {self.tolerance:.3g}"
+        head = (f"{self.schedule.source}: {self.names[0]} vs {self.names[1]} ({rule}); mode={c.mode}, "
+                f"max_num_seqs={c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens}, "
+                f"block_size={c.block_size}, num_blocks={c.num_blocks}" + (f", fault={c.fault}" if c.fault else ""))
+        lines = [head] + [describe(v, *self.names) for v in self.verdicts.values()]
+        if self.engine_failure:
+            lines.append(f"engine failure: {self.engine_failure}")
+        bad = len(self.divergences) + bool(self.engine_failure)
+        lines.append(f"-- {len(self.verdicts)} requests, {len(self.trace)} steps: "
+                     + ("FAIL" if bad else "no divergence"))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "against": self.against, "mode": self.config.mode, "fault": self.config.fault,
+                "tolerance": self.tolerance, "engine_failure": self.engine_failure,
+                "verdicts": {rid: v.as_dict() for rid, v in self.verdicts.items()},
+                "requests": {rid: o.to_json() for rid, o in self.outputs.items()}, "trace": self.trace}
+
+
+def _prefill_verdict(model, config, request, baselines: Baselines, exact: bool, tol: float) -> Verdict:
+    decoded = baselines.alone(model, config, request)
+    for i in range(1, len(decoded.token_ids)):
+        prefix = decoded.prompt_ids + decoded.token_ids[:i]
+        fresh = baselines.alone(model, config, replace(request, prompt={"prompt_ids": prefix},
+                                                      params=replace(request.params, max_tokens=1))).steps[0]
+        step = decoded.steps[i]
+        deviation = logit_deviation(step.logits, fresh.logits)
+        if (step.logits_sha256 != fresh.logits_sha256) if exact else deviation > tol:
+            return Verdict(request.id, "diverged", reason=f"decode logits differ from a fresh prefill of the "
+                           f"{len(prefix)}-token prefix", index=i, engine_step=step.step, got=step.token_id,
+                           want=fresh.token_id, margin=fresh.top2_margin, tolerance=0.0 if exact else tol,
+                           deviation=deviation)
+    return Verdict(request.id, "match")
+
+
+def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_budget: int | None = None,
+           mode: str | None = None, fault: str | None = None, calibration: dict | None = None,
+           baselines: Baselines | None = None, on_events=None) -> ReplayResult:
+    """Judge every request of `schedule` against the baseline `against` (AGAINST). `calibration`
+    (refengine.calibrate) is needed for the margin rule: fast mode, or against the reference."""
+    if against not in AGAINST:
+        raise RefengineError(f"against: expected one of {', '.join(AGAINST)}, got {against!r}")
+    if against == "budget" and not other_budget:
+        raise RefengineError("against budget: give the other max_num_batched_tokens (other_budget)")
+    baselines = baselines or Baselines()
+    config = configured(schedule.engine, mode, fault)
+    engine, failure = run_batched(model, schedule, config, on_events=on_events)
+    outputs = engine.outputs()
+    exact = config.mode == "invariant" and against != "reference"
+    bound = "f32_vs_f64" if against == "reference" else "f32_batched_vs_serial"
+    tol = None if exact else tolerance(calibration, bound)
+    names = {"serial": ("batched", "alone"), "reference": ("engine f32", "reference f64"),
+             "budget": (f"budget {config.max_num_batched_tokens}", f"budget {other_budget}"),
+             "prefill": ("decode", "fresh prefill")}[against]
+    if against == "budget":
+        other_config = replace(config, max_num_batched_tokens=other_budget)
+        other, other_failure = run_batched(model, replace(schedule, engine=other_config), other_config)
+        failure = failure or (other_failure and f"under budget {other_budget}: {other_failure}")
+        wanted = other.outputs()
+    verdicts = {}
+    for request in schedule.requests:
+        if against == "prefill":
+            verdicts[request.id] = _prefill_verdict(model, config, request, baselines, exact, tol)
+            continue
+        if against == "reference" and not request.params.greedy:
+            verdicts[request.id] = Verdict(request.id, "skipped", reason="seeded sampling has no float64 baseline")
+            continue
+        want = {"serial": lambda: baselines.alone(model, config, request),
+                "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
+                "budget": lambda: wanted[request.id]}[against]()
+        verdicts[request.id] = compare_request(request.id, outputs[request.id], want, exact=exact,
+                                               margin_tolerance=tol or 0.0, noise_tolerance=tol or 0.0)
+    return ReplayResult(schedule, config, against, verdicts, outputs, engine.trace, tol, failure, names)

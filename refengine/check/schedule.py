@@ -1,0 +1,122 @@
+"""Schedules as data: load and validate a schedule file (FORMATS.md); check.driver runs them.
+
+Unknown keys inside `engine`, a request or its `sampling` are errors, so a typo cannot silently
+change what runs; free-form extra information (a repro file's `found_by`, `model`, ...) belongs at
+the top level.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine import EngineConfig
+from ..engine.config import SETTINGS
+from ..errors import RefengineError
+from ..sampling import SamplingParams
+
+ENGINE_KEYS = set(SETTINGS)
+PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
+REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
+                "stop_token_ids", "ignore_eos", "logprobs"}
+SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    id: str
+    prompt: dict          # exactly one of prompt_ids / prompt / messages, as add_request takes it
+    params: SamplingParams
+    arrival_step: int
+    abort_step: int | None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    source: str
+    engine: EngineConfig
+    requests: list[ScheduledRequest]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_keys(obj, allowed: set[str], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise RefengineError(f"{where}: expected an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise RefengineError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
+    where = f"{source}: requests[{index}]"
+    _check_keys(raw, REQUEST_KEYS, where)
+    request_id = raw.get("id")
+    if not isinstance(request_id, str) or not request_id:
+        raise RefengineError(f"{where}.id: expected a non-empty string, got {request_id!r}")
+    where = f"{source}: request {request_id!r}"
+    given = [k for k in PROMPT_KEYS if k in raw]
+    if len(given) != 1:
+        raise RefengineError(f"{where}: give exactly one of {', '.join(PROMPT_KEYS)} (got {given or 'none'})")
+    prompt = {given[0]: raw[given[0]]}
+    if "prompt_ids" in prompt and not (isinstance(raw["prompt_ids"], list)
+                                       and all(_is_int(i) for i in raw["prompt_ids"])):
+        raise RefengineError(f"{where}.prompt_ids: expected a list of integers")
+    if "prompt" in prompt and not isinstance(raw["prompt"], str):
+        raise RefengineError(f"{where}.prompt: expected a string")
+    arrival, abort = raw.get("arrival_step", 0), raw.get("abort_step")
+    if not _is_int(arrival) or arrival < 0:
+        raise RefengineError(f"{where}.arrival_step: expected an integer >= 0, got {arrival!r}")
+    if abort is not None and (not _is_int(abort) or abort < arrival):
+        raise RefengineError(f"{where}.abort_step: expected an integer >= arrival_step ({arrival}), got {abort!r}")
+    sampling = raw.get("sampling", {})
+    _check_keys(sampling, SAMPLING_KEYS, f"{where}.sampling")
+    for key, kind in (("stop", str), ("stop_token_ids", int)):
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+            raise RefengineError(f"{where}.{key}: expected a list of {kind.__name__}")
+    try:
+        params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
+                                stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
+                                ignore_eos=bool(raw.get("ignore_eos", False)), logprobs=raw.get("logprobs", 0))
+    except (RefengineError, TypeError) as e:
+        raise RefengineError(f"{where}: {e}") from None
+    return ScheduledRequest(request_id, prompt, params, arrival, abort)
+
+
+def parse_schedule(data, source: str = "<schedule>") -> Schedule:
+    if not isinstance(data, dict):
+        raise RefengineError(f"{source}: expected a JSON object with 'engine' and 'requests'")
+    engine = data.get("engine", {})
+    _check_keys(engine, ENGINE_KEYS, f"{source}: engine")
+    try:
+        config = EngineConfig(**engine)
+    except RefengineError as e:
+        raise RefengineError(f"{source}: engine.{e}") from None
+    raw_requests = data.get("requests")
+    if not isinstance(raw_requests, list) or not raw_requests:
+        raise RefengineError(f"{source}: requests: expected a non-empty list")
+    requests = [_parse_request(raw, i, source) for i, raw in enumerate(raw_requests)]
+    seen = set()
+    for request in requests:
+        if request.id in seen:
+            raise RefengineError(f"{source}: request {request.id!r}: duplicate id")
+        seen.add(request.id)
+    return Schedule(source, config, requests)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RefengineError(f"{path}: cannot read schedule ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RefengineError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    return parse_schedule(read_json(Path(path)), str(path))

@@ -1,0 +1,43 @@
+"""bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline."""
+from __future__ import annotations
+
+from ..bench.report import SCENARIOS, BenchSettings, print_report, run_bench
+from ..bench.workloads import preset_model_dir
+from ..engine import MODES
+from ..model import load_model
+from ..model.cache import default_model_dir
+from ..model.tiny import PRESETS
+from .common import parse_ids, print_json
+
+
+def run(args) -> int:
+    settings = BenchSettings(
+        requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+        serial_requests=args.serial_requests, modes=tuple(MODES) if args.mode == "both" else (args.mode,),
+        batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
+        scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot)
+    model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
+    report = run_bench(model, settings)
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report)
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="decode throughput, batched vs serial, against the roofline")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", help="HF model folder (default: the embedded tiny model)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a generated random-weight model, cached")
+    parser.add_argument("--requests", type=int, default=32, help="concurrent requests of the batched run")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (eos ignored)")
+    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--batch-sizes", metavar="LIST", help="also sweep these batch sizes, e.g. 1,8,32")
+    parser.add_argument("--serial-requests", type=int, default=2, help="requests run one by one at batch 1")
+    parser.add_argument("--scenario", default="decode", help=f"comma list of {', '.join(SCENARIOS)}")
+    parser.add_argument("--hf", action="store_true", help="also run the decode workload through HF transformers")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of step time and tok/s vs batch size")
+    parser.add_argument("--json", action="store_true", help="print everything as JSON")
+    parser.set_defaults(func=run)

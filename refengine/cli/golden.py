@@ -1,0 +1,60 @@
+"""golden refresh, golden check: write golden files with the float64 reference, judge the engine by them."""
+from __future__ import annotations
+
+from ..check.calibrate import calibrate, load_calibration, stored_calibration
+from ..check.golden import load_prompts, read_golden, refresh
+from ..check.golden_check import check
+from ..data import shipped
+from ..engine import MODES
+from .common import FAULT_ENV, add_model_argument, fault_from, open_model
+
+DEFAULT_GOLDEN = ("golden", "tiny-default.jsonl")  # shipped, made from the embedded default model
+
+
+def run_refresh(args) -> int:
+    model = open_model(args)
+    prompts = load_prompts(args.prompts)
+    if args.calibration:
+        noise = load_calibration(args.calibration)
+    else:
+        noise = stored_calibration(model) or calibrate(model)
+    golden = refresh(model, args.prompts, prompts, args.out, noise)
+    tokens = sum(len(c.token_ids) for c in golden.cases)
+    print(f"wrote {args.out}: {len(golden.cases)} cases, {tokens} tokens, model {golden.fingerprint}, "
+          f"tolerance {golden.tolerance:.6g}")
+    return 0
+
+
+def run_check(args) -> int:
+    golden = read_golden(args.golden or shipped(*DEFAULT_GOLDEN))
+    model = open_model(args)
+    result = check(golden, model, args.mode, args.seed, args.max_num_seqs, args.max_num_batched_tokens,
+                   fault_from(args))
+    print(result.report(decode=lambda i: model.tokenizer.decode([i], skip_special_tokens=False)))
+    return 0 if result.passed else 1
+
+
+def register(subparsers) -> None:
+    golden = subparsers.add_parser("golden", help="golden files: float64 reference answers to a prompt set")
+    commands = golden.add_subparsers(dest="golden_command", required=True, parser_class=type(golden))
+
+    p = commands.add_parser("refresh", help="run the float64 reference on a prompt set, write the golden file")
+    add_model_argument(p)
+    p.add_argument("--prompts", required=True, help="prompts JSONL (FORMATS.md)")
+    p.add_argument("--out", required=True, help="golden JSONL to write (replaced atomically)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="noise calibration to put in the header (default: golden/*.calibration.json for this model, "
+                        "else calibrate the model now)")
+    p.set_defaults(func=run_refresh)
+
+    p = commands.add_parser("check", help="run the float32 engine on every case as one random join/leave "
+                                          "schedule and apply the margin rule")
+    p.add_argument("golden", nargs="?", help="golden JSONL file (default: the shipped golden file of the "
+                                             "embedded default model)")
+    add_model_argument(p)
+    p.add_argument("--mode", choices=MODES, default="fast")
+    p.add_argument("--seed", type=int, default=0, help="arrival schedule seed")
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=32)
+    p.add_argument("--fault", help=f"inject a catalogued bug (default: ${FAULT_ENV}; see `refengine faults`)")
+    p.set_defaults(func=run_check)

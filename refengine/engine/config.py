@@ -1,0 +1,52 @@
+"""The engine's settings, validated once, with defaults derived from the model. Nothing here reads
+the environment: an engine runs exactly what its caller configured."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..errors import RefengineError
+from ..model import ModelConfig
+from .faults import Fault, resolve_fault
+
+MODES = ("fast", "invariant")
+DEFAULT_POOL_TOKENS_PER_SEQ = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "fast"
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_blocks: int | None = None     # None: max_num_seqs sequences of min(max_model_len, 2048) tokens
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    fault: str | None = None          # the name of a catalogued bug to inject (refengine.engine.faults)
+    injected: Fault | None = field(default=None, init=False, repr=False, compare=False)  # `fault`, resolved
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise RefengineError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name in ("num_blocks", "max_model_len"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RefengineError(f"{name}: must be a positive integer, got {value!r}")
+        object.__setattr__(self, "injected", resolve_fault(self.fault))
+
+    def resolved(self, model_config: ModelConfig) -> EngineConfig:
+        """A copy with every None filled in for this model."""
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise RefengineError(f"max_model_len: {max_model_len} exceeds the model's "
+                                 f"max_position_embeddings {model_config.max_position_embeddings}")
+        pool_tokens = self.max_num_seqs * min(max_model_len, DEFAULT_POOL_TOKENS_PER_SEQ)
+        num_blocks = self.num_blocks or -(-pool_tokens // self.block_size)
+        return replace(self, max_model_len=max_model_len, num_blocks=num_blocks)
+
+    def settings(self) -> dict:
+        """The schedule format's `engine` object for these settings (the run output echoes it)."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+
+SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault")

@@ -1,0 +1,62 @@
+"""The fault catalog: realistic continuous-batching bugs the engine can switch on by name.
+
+They are the invariants suite's negative control: with any one of them on, `pytest -m invariants`
+must fail and shrink the failure to a small schedule. Each is injected at the one code point where
+the real bug would live (grep the engine for its Fault member). A name is resolved once, when the
+EngineConfig is built (a misspelt one is refused there), and the engine's components compare the
+resolved member, never the string. The engine reads no environment: the CLI and the server pass the
+fault they were asked for; `refengine faults` lists them.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+from ..errors import RefengineError
+
+
+class Fault(Enum):
+    STALE_BLOCK_TABLE_AFTER_PREEMPTION = "stale-block-table-after-preemption"
+    POSITION_OFF_BY_ONE_ON_JOIN = "position-off-by-one-on-join"
+    LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE = "logits-rows-misassigned-after-leave"
+    CHUNKED_PREFILL_PAST_OFF_BY_ONE = "chunked-prefill-past-off-by-one"
+    NO_RECOMPUTE_ON_RESUME = "no-recompute-on-resume"
+    SEED_LEAK = "seed-leak"
+    KV_WRITE_BLOCK_BOUNDARY_OFF_BY_ONE = "kv-write-block-boundary-off-by-one"
+    ABORT_LEAKS_BLOCKS = "abort-leaks-blocks"
+
+
+DESCRIPTIONS = {
+    Fault.STALE_BLOCK_TABLE_AFTER_PREEMPTION:
+        "preemption returns a sequence's KV blocks to the pool but leaves their ids in its block table; "
+        "on resume it writes and reads blocks that now belong to other sequences",
+    Fault.POSITION_OFF_BY_ONE_ON_JOIN:
+        "a request admitted while others are running gets RoPE positions shifted by one in its first "
+        "prefill chunk",
+    Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE:
+        "in the step after a request leaves the batch, sampled logits rows are handed out in the "
+        "pre-compaction order (shifted by one)",
+    Fault.CHUNKED_PREFILL_PAST_OFF_BY_ONE:
+        "a prefill chunk that continues an earlier chunk attends with a past length one short, so "
+        "each of its queries misses its own key",
+    Fault.NO_RECOMPUTE_ON_RESUME:
+        "a request resumed after preemption recomputes only its prompt; the KV of its generated tokens "
+        "(all but the last) is never rewritten",
+    Fault.SEED_LEAK:
+        "all seeded requests sampled in one step draw from the seed of the first of them",
+    Fault.KV_WRITE_BLOCK_BOUNDARY_OFF_BY_ONE:
+        "the first token of every KV block after the first is written into that block's last slot "
+        "instead of its first (identical batched and alone: only the float64 reference sees it)",
+    Fault.ABORT_LEAKS_BLOCKS:
+        "aborting a request marks it finished but never returns its KV blocks to the pool",
+}
+FAULTS = {fault.value: DESCRIPTIONS[fault] for fault in Fault}  # name -> what the bug does
+
+
+def resolve_fault(name: str | None, where: str = "fault") -> Fault | None:
+    """The catalogued fault called `name` (None or "" for none); RefengineError naming `where` if unknown."""
+    if not name:
+        return None
+    try:
+        return Fault(name)
+    except ValueError:
+        raise RefengineError(f"{where}: unknown fault {name!r} (known: {', '.join(FAULTS)})") from None

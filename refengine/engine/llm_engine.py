@@ -1,0 +1,195 @@
+"""The continuous-batching float32 engine: the public API the suite, the server and the CLI use.
+
+    config = EngineConfig(mode="invariant", max_num_seqs=8, max_num_batched_tokens=512,
+                          block_size=16, num_blocks=None, max_model_len=None, fault=None)
+    engine = LLMEngine(model, config, keep_logits=False)  # model: refengine.model.Model; keep_logits
+                                                 # keeps each sampled f32 row in StepRecord.logits
+    engine.add_request("r0", [5, 9, 13], params=SamplingParams(max_tokens=8))
+    engine.add_request("r1", prompt="Hello", params=...)        # or messages=[{role, content}]
+    events = engine.step()                       # list[TokenEvent], one per request that got a token
+    engine.abort("r1")                           # frees it now; its final TokenEvent (finish_reason
+                                                 # "abort", token_id None) comes out of the next step()
+    outputs = engine.run()                       # steps until has_unfinished() is False
+    outputs["r0"].token_ids, .text, .finish_reason, .steps[i].logits_sha256, .ttft_steps, ...
+    engine.trace, engine.metrics, engine.status(), engine.check_invariants(), engine.release("r0")
+
+Defaults: num_blocks=None -> enough for max_num_seqs sequences of min(max_model_len, 2048) tokens;
+max_model_len=None -> the model's max_position_embeddings. Serial operation is max_num_seqs=1.
+Every bad input raises RefengineError naming the request or field; the engine stays usable.
+Finished requests are kept (for outputs()) until release(); the trace grows one entry per step.
+Not thread-safe: one thread drives it (a server serializes add_request/abort/step).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from ..errors import RefengineError
+from ..model import Model
+from ..sampling import (
+    SamplingParams,
+    StepRecord,
+    finish_reason,
+    sample_token,
+    token_logprobs,
+    top2_margin,
+)
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .faults import Fault
+from .metrics import EngineMetrics
+from .model_runner import ModelRunner
+from .outputs import RequestOutput, TokenEvent, request_output
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, SequenceStatus
+
+
+class LLMEngine:
+    def __init__(self, model: Model, config: EngineConfig | None = None, *, keep_logits: bool = False):
+        """keep_logits: also keep every sampled float32 logits row (StepRecord.logits), for comparisons."""
+        self.model = model
+        self.keep_logits = keep_logits
+        self.config = (config or EngineConfig()).resolved(model.config)
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config)
+        self.sequences: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.trace: list[dict] = []
+        self._metrics = EngineMetrics()
+        self._pending_aborts: list[Sequence] = []
+        self._last_batch_size = 0
+        self._finished_last_step = False  # for Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE
+        self._misassign_after_leave = self.config.injected is Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE
+        self._leak_seed = self.config.injected is Fault.SEED_LEAK
+
+    def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
+                    messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RefengineError(f"request id: expected a non-empty string, got {request_id!r}")
+        if request_id in self.sequences:
+            raise RefengineError(f"request {request_id!r}: duplicate request id")
+        if sum(x is not None for x in (prompt_ids, prompt, messages)) != 1:
+            raise RefengineError(f"request {request_id!r}: give exactly one of prompt_ids, prompt, messages")
+        if not isinstance(params, SamplingParams):
+            raise RefengineError(f"request {request_id!r}: params must be a SamplingParams")
+        tokenizer = self.model.tokenizer
+        try:
+            if prompt is not None:
+                prompt_ids = tokenizer.encode(prompt)
+            elif messages is not None:
+                prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = self.model.check_prompt(prompt_ids, what="prompt")
+        except (TypeError, ValueError) as e:  # RefengineError is a ValueError
+            raise RefengineError(f"request {request_id!r}: {e}") from None
+        seq = Sequence(request_id, prompt_ids, params, tokenizer.detokenizer(), self.num_steps)
+        self.scheduler.add(seq)
+        self.sequences[request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it had already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            raise RefengineError(f"request {request_id!r}: unknown request id, nothing to abort")
+        if seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort", self.num_steps)
+        self._pending_aborts.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether step() has more to do: requests to run, or abort events not yet delivered."""
+        return self.scheduler.has_unfinished() or bool(self._pending_aborts)
+
+    def step(self) -> list[TokenEvent]:
+        step, started = self.num_steps, time.perf_counter()
+        events = [TokenEvent(s.request_id, step, None, None, None, s.take_text_delta(), "abort")
+                  for s in self._pending_aborts]
+        aborted, self._pending_aborts = [s.request_id for s in self._pending_aborts], []
+        output = self.scheduler.schedule()
+        kv_blocks_used = self.block_manager.num_used_blocks
+        sampling = [c for c in output.chunks if c.samples]
+        logits = self.runner.execute(output.chunks, self.block_manager) if output.chunks else ()
+        self.scheduler.postprocess(output)
+        left = self._finished_last_step or bool(aborted)
+        if self._misassign_after_leave and left and len(sampling) > 1:
+            logits = np.roll(logits, 1, axis=0)
+        seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
+        leaked_seed = seeds[0] if self._leak_seed and seeds else None
+        for chunk, row in zip(sampling, logits):
+            events.append(self._append_token(chunk.seq, row, step, leaked_seed))
+        self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
+        self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
+        self.num_steps += 1
+        return events
+
+    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None) -> TokenEvent:
+        params = seq.params
+        drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
+        token = sample_token(logits, drawn, len(seq.output_ids))
+        logprob, alternatives = token_logprobs(logits, token, params.logprobs) if params.logprobs > 0 else (None, [])
+        record = StepRecord(token, top2_margin(logits), alternatives, logprob, step,
+                            hashlib.sha256(logits.tobytes()).hexdigest(), logits.copy() if self.keep_logits else None)
+        seq.append_token(record)
+        reason = finish_reason(token, len(seq.output_ids), seq.detokenizer.text, params,
+                               self.model.config.eos_token_ids)
+        if reason is not None:
+            self.scheduler.finish(seq, reason, step)
+        return TokenEvent(seq.request_id, step, token, record.top2_margin, record.logits_sha256,
+                          seq.take_text_delta(), reason, record.top_logprobs, record.logprob)
+
+    def _record(self, step: int, output: SchedulerOutput, aborted: list[str], kv_blocks_used: int,
+                seconds: float) -> None:
+        self.trace.append({
+            "step": step,
+            "scheduled": [{"id": c.seq.request_id, "phase": c.phase, "num_tokens": c.num_tokens}
+                          for c in output.chunks],
+            "preempted": [s.request_id for s in output.preempted], "aborted": aborted,
+            "kv_blocks_used": kv_blocks_used})
+        self._metrics.record_step(output, seconds)
+        self._last_batch_size = len(output.chunks)
+
+    def run(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; the outputs of all requests, by id."""
+        while self.has_unfinished():
+            self.step()
+        return self.outputs()
+
+    def output(self, request_id: str) -> RequestOutput:
+        if request_id not in self.sequences:
+            raise RefengineError(f"request {request_id!r}: unknown request id")
+        return request_output(self.sequences[request_id])
+
+    def outputs(self) -> dict[str, RequestOutput]:
+        return {rid: request_output(seq) for rid, seq in self.sequences.items()}
+
+    def release(self, request_id: str) -> RequestOutput:
+        """Forget a finished request (a long-running server calls this); returns its output."""
+        out = self.output(request_id)
+        if out.finish_reason is None:
+            raise RefengineError(f"request {request_id!r}: still running; abort it first")
+        del self.sequences[request_id]
+        return out
+
+    @property
+    def metrics(self) -> dict:
+        return self._metrics.summary(self.outputs().values())
+
+    def status(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.block_manager.num_used_blocks,
+                "kv_blocks_free": self.block_manager.num_free_blocks, "steps": self.num_steps,
+                "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size}
+
+    def check_invariants(self) -> None:
+        """AssertionError unless the KV accounting adds up and finished requests hold no blocks."""
+        finished = [s.block_table for s in self.sequences.values() if s.is_finished]
+        self.block_manager.check_invariants(finished)
+        for seq in self.scheduler.waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table.block_ids, seq
+        for seq in self.scheduler.running:
+            assert seq.status is SequenceStatus.RUNNING, seq
+            assert len(seq.block_table) == self.block_manager.blocks_for(seq.num_computed_tokens), seq

@@ -1,0 +1,147 @@
+"""Iteration-level FCFS scheduling with chunked prefill and preemption by recompute (vLLM v1 style).
+
+Every step is decided afresh: running sequences first, in admission order, each gets the tokens it
+still needs (1 for a decode, a chunk of its prompt otherwise) within the step's token budget; then
+waiting sequences are admitted in arrival order while seats, budget and KV blocks last. When a
+running sequence cannot get blocks, the most recently admitted running sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to recompute prompt + generated
+tokens when readmitted. The oldest running sequence therefore always progresses, so nothing starves.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import RefengineError
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .faults import Fault
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int       # first position fed this step
+    num_tokens: int
+    phase: str       # "prefill" | "decode"
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so its last row yields a new token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.fault = config.injected
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Reject what could never finish, instead of letting it wait forever."""
+        if seq.max_num_tokens > self.max_model_len:
+            raise RefengineError(
+                f"request {seq.request_id!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.params.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        blocks = self.block_manager.blocks_for(seq.max_num_tokens)
+        if blocks > self.block_manager.num_blocks:
+            raise RefengineError(
+                f"request {seq.request_id!r}: needs up to {blocks} KV blocks of {self.block_manager.block_size} "
+                f"tokens but the pool holds {self.block_manager.num_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(self._remaining(seq), budget)
+            while not self.block_manager.can_allocate(seq.block_table, seq.num_computed_tokens + num_tokens):
+                victim = self.running.pop()
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            chunks.append(self._allocate(seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(self._remaining(seq), budget)
+            if not self.block_manager.can_allocate(seq.block_table, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._allocate(seq, num_tokens))
+            budget -= num_tokens
+        return SchedulerOutput(chunks, preempted)
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""
+        if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and \
+                seq.num_computed_tokens < seq.num_prompt_tokens:
+            return seq.num_prompt_tokens - seq.num_computed_tokens
+        return seq.num_tokens - seq.num_computed_tokens
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        self.block_manager.allocate(seq.block_table, start + num_tokens)
+        phase = "decode" if seq.is_decode(start, num_tokens) else "prefill"
+        return ScheduledChunk(seq, start, num_tokens, phase)
+
+    def preempt(self, seq: Sequence) -> None:
+        freed = list(seq.block_table.block_ids)
+        self.block_manager.free(seq.block_table)
+        if self.fault is Fault.STALE_BLOCK_TABLE_AFTER_PREEMPTION:
+            seq.block_table.block_ids = freed
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, output: SchedulerOutput) -> None:
+        """The step's forward has written these tokens' KV."""
+        for chunk in output.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and chunk.end == seq.num_prompt_tokens:
+                seq.num_computed_tokens = max(chunk.end, seq.num_tokens - 1)  # skips the generated tokens' KV
+
+    def finish(self, seq: Sequence, reason: str, step: int) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if not (self.fault is Fault.ABORT_LEAKS_BLOCKS and reason == "abort"):
+            self.block_manager.free(seq.block_table)
+        seq.finish(reason, step)

@@ -1,0 +1,145 @@
+"""Load a checkpoint's tensors (single file or sharded), validate them against the config."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import RefengineError
+from .config import ModelConfig
+from .safetensors_io import SafetensorsFile
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer; projections keep HF's [out_features, in_features] layout."""
+    input_norm: np.ndarray       # [hidden]
+    q_proj: np.ndarray           # [n_heads * head_dim, hidden]
+    k_proj: np.ndarray           # [n_kv_heads * head_dim, hidden]
+    v_proj: np.ndarray           # [n_kv_heads * head_dim, hidden]
+    o_proj: np.ndarray           # [hidden, n_heads * head_dim]
+    post_norm: np.ndarray        # [hidden]
+    gate_proj: np.ndarray        # [intermediate, hidden]
+    up_proj: np.ndarray          # [intermediate, hidden]
+    down_proj: np.ndarray        # [hidden, intermediate]
+    q_bias: np.ndarray | None = None
+    k_bias: np.ndarray | None = None
+    v_bias: np.ndarray | None = None
+    o_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # [head_dim]
+    k_norm: np.ndarray | None = None  # [head_dim]
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Weights:
+    embed: np.ndarray    # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: np.ndarray     # [hidden]
+    lm_head: np.ndarray  # [vocab, hidden]; the embedding itself when tied
+
+
+_LAYER_FIELDS = {  # LayerWeights field -> HF tensor name suffix
+    "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias", "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
+    "gate_bias": "mlp.gate_proj.bias", "up_bias": "mlp.up_proj.bias", "down_bias": "mlp.down_proj.bias",
+}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies, with its shape."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.q_size, cfg.kv_size
+    layer = {
+        "input_norm": (h,), "post_norm": (h,),
+        "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+        "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+    }
+    if cfg.qkv_bias:
+        layer.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if cfg.o_bias:
+        layer["o_bias"] = (h,)
+    if cfg.qk_norm:
+        layer.update(q_norm=(d,), k_norm=(d,))
+    if cfg.mlp_bias:
+        layer.update(gate_bias=(i,), up_bias=(i,), down_bias=(h,))
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        for field, shape in layer.items():
+            shapes[f"model.layers.{n}.{_LAYER_FIELDS[field]}"] = shape
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise RefengineError(f"{index}: not a valid safetensors index ({e!r})") from None
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / SINGLE_FILE
+    if single.exists():
+        return [single]
+    raise RefengineError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+class Checkpoint:
+    """The opened, validated tensors of a model folder; converts to a float dtype on demand."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig):
+        self.cfg = cfg
+        self.files = weight_files(model_dir)
+        self.sources: dict[str, SafetensorsFile] = {}
+        for path in self.files:
+            opened = SafetensorsFile(path)
+            for name in opened.tensors:
+                self.sources[name] = opened
+        self._validate()
+
+    def _validate(self) -> None:
+        expected = expected_shapes(self.cfg)
+        found = {name: f.tensors[name][1] for name, f in self.sources.items()}
+        problems = [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
+        problems += [f"unexpected tensor {n} {list(found[n])}" for n in found if n not in expected
+                     and not n.endswith("rotary_emb.inv_freq")]
+        problems += [f"tensor {n} has shape {list(found[n])}, expected {list(s)}"
+                     for n, s in expected.items() if n in found and tuple(found[n]) != s]
+        if problems:
+            where = self.files[0].parent
+            raise RefengineError(f"{where}: weights do not match config.json: " + "; ".join(problems))
+
+    @property
+    def stored_dtypes(self) -> list[str]:
+        return sorted({f.tensors[n][0] for n, f in self.sources.items()})
+
+    def tensor(self, name: str, dtype) -> np.ndarray:
+        return self.sources[name].get_float(name, dtype)
+
+    def to_weights(self, dtype) -> Weights:
+        def get(name):
+            return np.ascontiguousarray(self.tensor(name, dtype))
+
+        expected = expected_shapes(self.cfg)
+        layers = []
+        for n in range(self.cfg.num_layers):
+            fields = {field: get(f"model.layers.{n}.{suffix}") for field, suffix in _LAYER_FIELDS.items()
+                      if f"model.layers.{n}.{suffix}" in expected}
+            layers.append(LayerWeights(**fields))
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if self.cfg.tie_word_embeddings else get("lm_head.weight")
+        return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)

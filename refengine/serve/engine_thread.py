@@ -1,0 +1,185 @@
+"""The serving thread model (Kestrel-LLM's vllm_batch.c, in Python).
+
+One engine thread is the only caller of `engine.step()`: it takes new requests and aborts from
+the HTTP worker threads, runs one batched step for everything in flight, and hands each request's
+token events to that request's own queue. Worker threads never touch the engine; they submit, then
+wait on their queue. Admission is bounded: `max_num_seqs + max_waiting` requests may be in flight;
+a further one waits for a slot up to `queue_timeout` seconds and is then refused.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ..engine import LLMEngine
+from ..errors import RefengineError
+from ..sampling import SamplingParams
+
+
+class Overloaded(Exception):
+    """No slot freed within the queue timeout."""
+
+
+class EngineStopped(Exception):
+    """The engine thread is gone (shut down, or a step raised)."""
+
+
+@dataclass
+class RequestStream:
+    """A worker thread's handle on one submitted request: its events arrive on `events`."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    events: queue.Queue = field(default_factory=queue.Queue)
+    accepted: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None  # set when the engine refused the request or is gone
+
+
+class EngineThread(threading.Thread):
+    def __init__(self, engine: LLMEngine, max_waiting: int, queue_timeout: float):
+        super().__init__(name="refengine-engine", daemon=True)
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.queue_timeout = queue_timeout
+        self.failure: BaseException | None = None
+        self._slots = threading.BoundedSemaphore(engine.config.max_num_seqs + max_waiting)
+        self._wakeup = threading.Condition()
+        self._submitted: list[RequestStream] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._counters = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0,
+                          "requests_rejected_busy": 0, "max_batch_active": 0,
+                          "slot_waiters": 0}
+        self._snapshot: dict = {}
+        self._publish()
+
+    # --- worker-thread side -------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Wait for a slot, hand the request to the engine thread, and return once it is accepted.
+        Raises Overloaded, RefengineError (the engine refused the request) or EngineStopped."""
+        self._count("slot_waiters", +1)
+        got_slot = self._slots.acquire(timeout=self.queue_timeout)
+        self._count("slot_waiters", -1)
+        if not got_slot:
+            self._count("requests_rejected_busy", +1)
+            raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
+                             f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
+        stream = RequestStream(request_id, prompt_ids, params)
+        with self._wakeup:
+            if self._stopping or self.failure:
+                self._slots.release()
+                raise EngineStopped(self.why_stopped())
+            self._submitted.append(stream)
+            self._wakeup.notify()
+        while not stream.accepted.wait(0.5):
+            if not self.is_alive():
+                raise EngineStopped(self.why_stopped())
+        if stream.error:
+            raise stream.error
+        return stream
+
+    def next_event(self, stream: RequestStream, timeout: float):
+        """The request's next TokenEvent, or None after `timeout` seconds without one."""
+        try:
+            event = stream.events.get(timeout=timeout)
+        except queue.Empty:
+            if not self.is_alive():
+                raise EngineStopped(self.why_stopped()) from None
+            return None
+        if isinstance(event, BaseException):
+            raise EngineStopped(self.why_stopped())
+        return event
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._aborts.append(request_id)
+            self._wakeup.notify()
+
+    def status(self) -> dict:
+        with self._wakeup:
+            return {**self._snapshot, **self._counters}
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self.join()
+
+    def _count(self, name: str, delta: int) -> None:
+        with self._wakeup:
+            self._counters[name] += delta
+
+    @property
+    def healthy(self) -> bool:
+        return self.is_alive() and self.failure is None and not self._stopping
+
+    def why_stopped(self) -> str:
+        return f"engine failed: {self.failure!r}" if self.failure else "engine is shutting down"
+
+    # --- engine-thread side -------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except BaseException as e:  # a failed step leaves the engine unusable: fail every request
+            self.failure = e
+            for stream in self._streams.values():
+                stream.events.put(e)
+            raise
+        finally:
+            with self._wakeup:
+                for stream in self._submitted:
+                    stream.error = EngineStopped(self.why_stopped())
+                    stream.accepted.set()
+            self._publish()
+
+    def _serve_once(self) -> bool:
+        with self._wakeup:
+            while not (self._submitted or self._aborts or self._stopping or self.engine.has_unfinished()):
+                self._wakeup.wait()
+            if self._stopping:
+                return False
+            submitted, self._submitted = self._submitted, []
+            aborts, self._aborts = self._aborts, []
+        for stream in submitted:
+            self._admit(stream)
+        for request_id in aborts:
+            if request_id in self._streams:
+                self.engine.abort(request_id)
+        if self.engine.has_unfinished():
+            self._dispatch(self.engine.step())
+            self.engine.trace.clear()  # the per-step trace is for offline runs; a server would grow it forever
+        self._publish()
+        return True
+
+    def _admit(self, stream: RequestStream) -> None:
+        try:
+            self.engine.add_request(stream.request_id, stream.prompt_ids, params=stream.params)
+        except RefengineError as e:
+            stream.error = e
+            self._slots.release()
+        else:
+            self._streams[stream.request_id] = stream
+            self._count("requests_total", +1)
+        stream.accepted.set()
+
+    def _dispatch(self, events) -> None:
+        for event in events:
+            stream = self._streams[event.request_id]
+            stream.events.put(event)
+            if event.finish_reason is not None:
+                del self._streams[event.request_id]
+                self.engine.release(event.request_id)
+                self._slots.release()
+                self._count("requests_aborted" if event.finish_reason == "abort" else "requests_finished", +1)
+
+    def _publish(self) -> None:
+        status = self.engine.status()
+        last_step_batch = status["batch_active"]
+        if not self.engine.has_unfinished():  # the last step's batch has left: nothing is active now
+            status["batch_active"] = 0
+        with self._wakeup:
+            self._snapshot = {**status, "in_flight": len(self._streams)}
+            self._counters["max_batch_active"] = max(self._counters["max_batch_active"], last_step_batch)

@@ -1,0 +1,172 @@
+"""The OpenAI wire format: request bodies -> engine requests, generated tokens -> response objects.
+
+Extensions beyond OpenAI: every choice carries `token_ids` (the generated ids; per chunk when
+streaming) and `prompt_token_ids` (non-streaming, and the first streamed chunk); chat logprob
+entries carry `token_id`; `top_k`, `stop_token_ids` and `ignore_eos` are accepted as in vLLM.
+`temperature` defaults to 0 (greedy), and sampling with temperature > 0 needs a `seed`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import RefengineError
+from ..model import Model
+from ..sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
+# Accepted only at their neutral value, so a client relying on them hears about it.
+NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+                  "logit_bias": {}, "suffix": ""}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_error(error: RefengineError) -> ApiError:
+    """Engine messages start with the field they are about ("max_tokens: ..."); name it as the param."""
+    message = str(error)
+    head = message.split(":", 1)[0]
+    return ApiError(400, message, param=head if head.isidentifier() else None, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One generated token as the server reports it."""
+    token_id: int
+    text: str                                 # the text this token made visible (may be empty)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationRequest:
+    kind: str                  # "completion" | "chat"
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None       # None: not requested; else how many alternatives per token
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _typed(body: dict, name: str, types, default, what: str):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise ApiError(400, f"{name}: expected {what}, got {value!r}", param=name, code="invalid_type")
+    return value
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, f"stop: expected a string or a list of strings, got {stop!r}", param="stop",
+                       code="invalid_type")
+    return tuple(stops)
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    value = _typed(body, name, (list,), [], "a list of integers")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ApiError(400, f"{name}: expected a list of integers, got {value!r}", param=name, code="invalid_type")
+    return value
+
+
+def _message_text(content):
+    """OpenAI content may be a list of parts; only text parts are supported."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
+def _prompt_ids(kind: str, body: dict, model: Model) -> list[int]:
+    try:
+        if kind == "chat":
+            messages = body.get("messages")
+            if messages is None:
+                raise ApiError(400, "messages: required", param="messages", code="missing_field")
+            if isinstance(messages, list):
+                messages = [{**m, "content": _message_text(m.get("content"))} if isinstance(m, dict) else m
+                            for m in messages]
+            return model.check_prompt(model.tokenizer.encode_chat(messages), "messages")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return model.check_prompt(model.tokenizer.encode(prompt), "prompt")
+        if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            return model.check_prompt(prompt, "prompt")
+        raise ApiError(400, "prompt: expected a string or a list of token ids (one prompt per request)",
+                       param="prompt", code="invalid_type")
+    except RefengineError as e:
+        param = "messages" if kind == "chat" else "prompt"
+        raise ApiError(400, str(e), param=param, code="invalid_value") from None
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    if kind == "chat":
+        wanted = _typed(body, "logprobs", (bool,), False, "a boolean")
+        top = _typed(body, "top_logprobs", (int,), 0, "an integer")
+        if top and not wanted:
+            raise ApiError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+        name, count = "top_logprobs", top if wanted else None
+    else:
+        name = "logprobs"
+        count = _typed(body, "logprobs", (int,), None, "an integer")
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name}: must be between 0 and {MAX_LOGPROBS}, got {count}", param=name)
+    return count
+
+
+def parse_request(kind: str, body, model: Model, served_name: str, context_tokens: int) -> GenerationRequest:
+    """Validate one request body. `context_tokens` is the most tokens one request may hold
+    (max_model_len, and the KV pool); it also bounds a chat request's default max_tokens."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: expected a JSON object", code="invalid_json")
+    name = body.get("model", served_name)
+    if name != served_name:
+        raise ApiError(404, f"model: {name!r} is not served here (this server serves {served_name!r})",
+                       param="model", code="model_not_found")
+    for key, neutral in NEUTRAL_VALUES.items():
+        if body.get(key) not in (None, neutral):
+            raise ApiError(400, f"{key}: only {neutral!r} is supported, got {body[key]!r}", param=key,
+                           code="unsupported_value")
+    prompt_ids = _prompt_ids(kind, body, model)
+    max_tokens_key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    default_max = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max(1, context_tokens - len(prompt_ids))
+    stream = _typed(body, "stream", (bool,), False, "a boolean")
+    stream_options = _typed(body, "stream_options", (dict,), {}, "an object")
+    logprobs = _logprobs(kind, body)
+    try:
+        params = SamplingParams(
+            max_tokens=_typed(body, max_tokens_key, (int,), default_max, "an integer"),
+            temperature=float(_typed(body, "temperature", (int, float), 0.0, "a number")),
+            top_k=_typed(body, "top_k", (int,), 0, "an integer"),
+            top_p=float(_typed(body, "top_p", (int, float), 1.0, "a number")),
+            seed=_typed(body, "seed", (int,), None, "an integer"),
+            stop=_stop_strings(body),
+            stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
+            ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
+            logprobs=0 if logprobs is None else max(logprobs, 1))  # >= 1: the greedy token's own logprob
+    except RefengineError as e:
+        raise engine_error(e) from None
+    if len(prompt_ids) + params.max_tokens > context_tokens:
+        raise ApiError(400, f"{max_tokens_key}: prompt ({len(prompt_ids)} tokens) + {max_tokens_key} "
+                            f"({params.max_tokens}) exceeds this server's context of {context_tokens} tokens",
+                       param=max_tokens_key, code="context_length_exceeded")
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, stream,
+                             bool(stream_options.get("include_usage")), logprobs)

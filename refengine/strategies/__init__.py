@@ -1,0 +1,37 @@
+"""Every schedule the invariants suite can produce, as Hypothesis strategies.
+
+- models: tiny qwen3 / qwen2 / llama models (GQA 2:1 and 4:1, MQA, MHA; tied and untied heads),
+  each built once into the refengine cache.
+- prompts: token-id lists of edge lengths (1, block_size - 1, block_size, block_size + 1,
+  two blocks, longer than the token budget) or any length up to 48.
+- sampling: greedy, or seeded (temperature, top-k, top-p, seed).
+- engine_settings: max_num_seqs 1-8, token budgets down to 1 (chunked prefill), block_size 1-32.
+- schedules: 1-5 requests joining at steps 0-12, some aborted mid-flight, some leaving early with a
+  small max_tokens, over a KV pool fitted tight (preemption) or roomy.
+- http_schedules: for a server over HTTP, 1-6 concurrent requests for golden cases, completions or
+  chat, streamed or whole, arriving 0-50 ms after the start, some hanging up after 1-8 streamed chunks.
+
+Engine schedules are the JSON schedule dicts of FORMATS.md, so any example is also a repro file.
+"""
+from .engine_settings import MAX_MODEL_LEN, engine_settings
+from .http_schedules import (
+           MAX_HTTP_REQUESTS,
+           HttpRequest,
+           http_schedules,
+           planned_requests,
+)
+from .models import (
+           DEFAULT_MODEL,
+           TINY_CONFIGS,
+           tiny_model,
+           tiny_model_dir,
+           tiny_model_names,
+)
+from .prompts import MAX_PROMPT_LEN, edge_lengths, prompts
+from .sampling import SAMPLERS, seeded
+from .schedules import MAX_REQUESTS, MAX_TOKENS, requests, schedules
+
+__all__ = ["DEFAULT_MODEL", "HttpRequest", "MAX_HTTP_REQUESTS", "MAX_MODEL_LEN", "MAX_PROMPT_LEN", "MAX_REQUESTS",
+           "MAX_TOKENS", "TINY_CONFIGS", "edge_lengths", "engine_settings", "http_schedules", "planned_requests",
+           "prompts", "requests", "SAMPLERS", "seeded", "schedules", "tiny_model", "tiny_model_dir",
+           "tiny_model_names"]

@@ -1,0 +1,85 @@
+"""HTTP join/leave schedules over a golden file's cases: what the properties of
+refengine/suite/test_http.py send to a server (in-process `refengine serve`, or any
+OpenAI-compatible server given by `--engine-url`).
+
+A schedule is 1-MAX_HTTP_REQUESTS requests, all in flight together (one client each). A request is
+exactly five draws, so the shrinker can delete whole requests:
+- case: an index into the golden cases (the same case may be drawn more than once);
+- api: `completions`, or `chat` when drawn and the case has chat messages (a chat case sent as a
+  completion carries its golden prompt ids);
+- stream: a whole JSON answer, or SSE chunks;
+- arrival: 0-MAX_ARRIVAL_STEPS steps of ARRIVAL_STEP_MS after the schedule starts;
+- leave: run to completion, or (streamed only; drawn and ignored for a whole answer) hang up after
+  1-MAX_CANCEL_CHUNKS chunks that carry tokens; an answer with no more chunks than that completes.
+Every request is greedy (`temperature: 0`) with the golden `max_tokens`. With `twins`, each drawn
+request is followed by its twin: the same case, api and arrival, streamed if it is whole and whole if
+it streams, run to completion.
+Simplest first, and what a failure shrinks to: one whole completion of the first golden case, sent
+at once, run to completion (with twins: that and its streamed twin).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hypothesis import strategies as st
+
+from ..check.golden import Golden
+from ..validate.board import Planned
+
+MAX_HTTP_REQUESTS = 6
+ARRIVAL_STEP_MS = 10
+MAX_ARRIVAL_STEPS = 5
+MAX_CANCEL_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    case: int
+    case_id: str
+    api: str                  # "completions" | "chat"
+    stream: bool
+    arrival_ms: int
+    cancel_after: int | None  # hang up after this many token-carrying chunks; None: run to completion
+
+    def __repr__(self) -> str:  # one line per request in Hypothesis's falsifying example
+        leave = "to completion" if self.cancel_after is None else f"hang up after {self.cancel_after} chunks"
+        return (f"<case {self.case} {self.case_id!r} {self.api} {'streamed' if self.stream else 'whole'} "
+                f"at {self.arrival_ms} ms, {leave}>")
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(repr(self))
+
+
+@st.composite
+def http_requests(draw, golden: Golden) -> HttpRequest:
+    index = draw(st.integers(0, len(golden.cases) - 1))
+    case = golden.cases[index]
+    chat = draw(st.booleans()) and bool(case.messages)
+    stream = draw(st.booleans())
+    arrival = draw(st.integers(0, MAX_ARRIVAL_STEPS)) * ARRIVAL_STEP_MS
+    leave = draw(st.integers(0, MAX_CANCEL_CHUNKS))  # 0: run to completion
+    return HttpRequest(index, case.id, "chat" if chat else "completions", stream, arrival,
+                       leave if stream and leave else None)
+
+
+def twinned(request: HttpRequest) -> list[HttpRequest]:
+    """The request and its twin: same case, api and arrival; whole if it streams and streamed if not,
+    run to completion."""
+    return [request, replace(request, stream=not request.stream, cancel_after=None)]
+
+
+@st.composite
+def http_schedules(draw, golden: Golden, max_requests: int = MAX_HTTP_REQUESTS,
+                   twins: bool = False) -> list[HttpRequest]:
+    """With `twins`, every drawn request is followed by its twin (see twinned), so every schedule has
+    streamed and whole answers of one case to compare; max_requests still bounds the whole list."""
+    if not twins:
+        return draw(st.lists(http_requests(golden), min_size=1, max_size=max_requests))
+    drawn = draw(st.lists(http_requests(golden), min_size=1, max_size=max(1, max_requests // 2)))
+    return [request for each in drawn for request in twinned(each)]
+
+
+def planned_requests(schedule: list[HttpRequest], golden: Golden) -> list[Planned]:
+    """The schedule as refengine.validate requests, ids r0, r1, ... in schedule order."""
+    return [Planned(f"r{n}", golden.cases[r.case], r.api, r.arrival_ms / 1000, r.stream, r.cancel_after)
+            for n, r in enumerate(schedule)]

@@ -1,0 +1,61 @@
+"""Tiny model configurations: the architectures and attention layouts schedules run on.
+
+Every configuration is built once with `refengine.model.tiny.make_tiny` into the refengine cache
+(`REFENGINE_CACHE`, default ~/.cache/refengine) and loaded once per process, so examples never pay
+for a model. The first entry is the default tiny model (the one `refengine make-tiny` writes and
+the golden files use); strategies shrink towards it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+from ..model import Model, load_model
+from ..model.cache import cached_tiny_model, default_model_dir
+from ..model.tiny import TinySpec
+
+DEFAULT_MODEL = "qwen3-gqa2-tied"
+VOCAB_SIZE = 512  # every configuration shares it, so one prompt strategy serves them all
+
+TINY_CONFIGS = {
+    DEFAULT_MODEL: TinySpec(),
+    "qwen3-mha-untied": TinySpec(heads=4, kv_heads=4, tie=False),
+    "qwen3-mqa-tied": TinySpec(heads=4, kv_heads=1),
+    "qwen2-gqa2-untied": TinySpec(arch="qwen2", tie=False),
+    "llama-gqa4-tied": TinySpec(arch="llama", heads=8, kv_heads=2, head_dim=8),
+    "llama-mha-untied": TinySpec(arch="llama", layers=1, heads=2, kv_heads=2, head_dim=32, tie=False),
+}
+
+
+def tiny_model_dir(name: str) -> Path:
+    """The folder of configuration `name`, built into the cache on first use."""
+    spec = TINY_CONFIGS[name]
+    if spec == TinySpec():
+        return default_model_dir()
+    digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
+    return cached_tiny_model(f"tiny-{name}-{digest}", spec)
+
+
+def make_tiny_command(name: str) -> str:
+    """The command that writes configuration `name` (the same bytes, so the same fingerprint)."""
+    spec, default = TINY_CONFIGS[name], TinySpec()
+    flags = [f"--{field.replace('_', '-')} {value}" for field, value in asdict(spec).items()
+             if field != "tie" and value != getattr(default, field)]
+    if spec.tie != default.tie:
+        flags.append("--tie" if spec.tie else "--no-tie")
+    return " ".join(["refengine make-tiny DIR", *flags])
+
+
+@functools.cache
+def tiny_model(name: str = DEFAULT_MODEL) -> Model:
+    return load_model(tiny_model_dir(name))
+
+
+def tiny_model_names() -> st.SearchStrategy[str]:
+    """qwen3 / qwen2 / llama; GQA 2:1 and 4:1, MQA, MHA; tied and untied heads."""
+    return st.sampled_from(list(TINY_CONFIGS))

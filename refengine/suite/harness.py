@@ -1,0 +1,187 @@
+"""What the invariants properties share: what they draw, running a schedule, judging it, reporting
+a failure.
+
+Each `check_*` runs one example and raises PropertyFailure (an AssertionError whose message is the
+full report) when the property does not hold; the @given tests and the fault-catalog tests both
+call them. Before raising, the schedule is written as a repro file (check.repro: the schedule format
+plus top-level keys saying which model and which comparison found it):
+    $REFENGINE_REPRO_DIR/<property>.json   (default .hypothesis/repros/, relative to the run's cwd)
+Hypothesis replays the shrunk example last, so the file ends up holding the minimal schedule;
+`refengine replay FILE` re-runs the same comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from hypothesis import currently_in_test_context, event, target
+from hypothesis import strategies as st
+
+from ..check.calibrate import calibration_for
+from ..check.driver import run_batched
+from ..check.replay import Baselines, ReplayResult, replay
+from ..check.repro import write_repro
+from ..check.schedule import parse_schedule
+from ..sampling import cut_at_stop_string
+from ..strategies import schedules
+from ..strategies.engine_settings import MODES
+from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
+
+REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
+MEMO_SIZE = 2048
+COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill")
+
+
+# What the engine properties draw (the fault-catalog tests hunt with the same strategies).
+invariant_schedules = schedules(VOCAB_SIZE, mode="invariant")
+fast_schedules = schedules(VOCAB_SIZE, mode="fast")
+any_mode_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode))
+greedy_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode, allow_seeded=False))
+other_budgets = st.integers(1, 64)
+
+
+class PropertyFailure(AssertionError):
+    """A property that does not hold; `repro` is the file the failing example was written to, if any."""
+
+    def __init__(self, message: str, repro: Path | None = None):
+        super().__init__(message)
+        self.repro = repro
+
+
+def repro_dir() -> Path:
+    return Path(os.environ.get(REPRO_DIR_VAR) or ".hypothesis/repros")
+
+
+def fail(name: str, model_name: str, schedule: dict, report: str, fault: str | None = None,
+         comparison: dict | None = None):
+    comparison = comparison or {}
+    path = write_repro(repro_dir() / f"{name}.json", schedule, found_by=name, model=tiny_model(model_name),
+                       model_command=make_tiny_command(model_name), against=comparison.get("against", "serial"),
+                       other_budget=comparison.get("other_budget"), fault=fault)
+    raise PropertyFailure(
+        f"{name} does not hold on model {model_name}:\n{report}\n"
+        f"shrunk schedule (written to {path}; re-run it with `refengine replay {path}`):\n"
+        f"{json.dumps(schedule)}", path)
+
+
+def _remember(memo: OrderedDict, key, run):
+    if key not in memo:
+        memo[key] = run()
+        if len(memo) > MEMO_SIZE:
+            memo.popitem(last=False)
+    return memo[key]
+
+
+class MemoizedBaselines(Baselines):
+    """Request-alone and float64 runs keyed by (model, settings, request): shrinking re-runs them."""
+
+    def __init__(self):
+        self.runs: OrderedDict = OrderedDict()
+
+    def alone(self, model, config, request):
+        key = ("alone", str(model.path), config, json.dumps(request.prompt, sort_keys=True), request.params)
+        return _remember(self.runs, key, lambda: super(MemoizedBaselines, self).alone(model, config, request))
+
+    def reference(self, model, prompt_ids, params):
+        key = ("reference", str(model.path), tuple(prompt_ids), params)
+        return _remember(self.runs, key, lambda: super(MemoizedBaselines, self).reference(model, prompt_ids, params))
+
+
+baselines = MemoizedBaselines()
+
+
+def coverage(schedule: dict, trace: list[dict]) -> set[str]:
+    """The batching situations (COVERAGE) a run met."""
+    prompt_len = {r["id"]: len(r["prompt_ids"]) for r in schedule["requests"]}
+    seen = set()
+    for entry in trace:
+        phases = {c["phase"] for c in entry["scheduled"]}
+        if len(entry["scheduled"]) > 1:
+            seen.add("batch size > 1")
+        if phases == {"prefill", "decode"}:
+            seen.add("mixed prefill+decode step")
+        if entry["preempted"]:
+            seen.add("preemption")
+        if entry["aborted"]:
+            seen.add("abort")
+        if any(c["phase"] == "prefill" and c["num_tokens"] < prompt_len[c["id"]] for c in entry["scheduled"]):
+            seen.add("chunked prefill")
+    return seen
+
+
+def observe(schedule: dict, trace: list[dict]) -> set[str]:
+    """Report coverage to Hypothesis: events for --hypothesis-show-statistics, targets to steer."""
+    seen = coverage(schedule, trace)
+    if currently_in_test_context():
+        for label in sorted(seen):
+            event(label)
+        target(max((len(e["scheduled"]) for e in trace), default=0), label="batch size")
+        target(sum(len(e["preempted"]) for e in trace), label="preemptions")
+    return seen
+
+
+def check(name: str, model_name: str, schedule: dict, against: str = "serial", other_budget: int | None = None,
+          fault: str | None = None, on_events=None) -> ReplayResult:
+    """Properties 1-4: replay `schedule` and judge every request against `against` (refengine.replay)."""
+    model = tiny_model(model_name)
+    needs_calibration = schedule["engine"]["mode"] == "fast" or against == "reference"
+    result = replay(model, parse_schedule(schedule, name), against=against, other_budget=other_budget, fault=fault,
+                    calibration=calibration_for(model) if needs_calibration else None, baselines=baselines,
+                    on_events=on_events)
+    observe(schedule, result.trace)
+    if result.tolerance and currently_in_test_context():
+        worst = max(v.max_agreeing_deviation for v in result.verdicts.values())
+        target(worst / result.tolerance, label="logit deviation / tolerance")
+    if not result.passed:
+        comparison = {"against": against, **({"other_budget": other_budget} if other_budget else {})}
+        fail(name, model_name, schedule, result.report(), fault, comparison)
+    return result
+
+
+def check_streaming(name: str, model_name: str, schedule: dict, choose_stops) -> None:
+    """Property 6. `choose_stops(text)` picks stop strings for a request given the text it produces
+    without any (so stops really occur). Then, for every request of the batched run: streamed deltas
+    concatenate to the final text; the final text is the full decode of its tokens cut at the
+    earliest stop string; a stop ends the request exactly when a stop string has appeared; its tokens
+    are a prefix of the stop-free ones; and alone it gives the same tokens and text."""
+    model = tiny_model(model_name)
+    config = parse_schedule(schedule, name).engine
+    free = {r.id: baselines.alone(model, config, r) for r in parse_schedule(schedule, name).requests}
+    stopped = {**schedule, "requests": [{**r, "stop": choose_stops(free[r["id"]].text)}
+                                        for r in schedule["requests"]]}
+    parsed = parse_schedule(stopped, name)
+    streamed = {r.id: "" for r in parsed.requests}
+
+    def collect(events):
+        for e in events:
+            streamed[e.request_id] += e.text_delta
+
+    engine, failure = run_batched(model, parsed, config, on_events=collect)
+    observe(stopped, engine.trace)
+    problems = [f"engine failure: {failure}"] if failure else []
+    for request in parsed.requests:
+        out, stops = engine.output(request.id), request.params.stop
+        full = model.tokenizer.decode(out.token_ids)
+        expected = cut_at_stop_string(full, stops)
+        hit = [s for s in stops if s in full]
+        on_eos = bool(out.token_ids) and out.token_ids[-1] in model.config.eos_token_ids
+        if streamed[request.id] != out.text:
+            problems.append(f"{request.id}: streamed {streamed[request.id]!r} != final text {out.text!r}")
+        if out.text != expected:
+            problems.append(f"{request.id}: final text {out.text!r} != the decode of its tokens cut at {stops}: "
+                            f"{expected!r} (full decode {full!r})")
+        if (hit and out.finish_reason != "stop") or (out.finish_reason == "stop" and not (hit or on_eos)):
+            problems.append(f"{request.id}: finish_reason {out.finish_reason}, yet stop strings {hit} of {stops} "
+                            f"occur in {full!r}")
+        if out.token_ids != free[request.id].token_ids[:len(out.token_ids)]:
+            problems.append(f"{request.id}: tokens with stops {out.token_ids} are not a prefix of the tokens "
+                            f"without {free[request.id].token_ids}")
+        if out.finish_reason != "abort":
+            solo = baselines.alone(model, config, request)
+            if (solo.token_ids, solo.text) != (out.token_ids, out.text):
+                problems.append(f"{request.id}: alone {solo.token_ids} {solo.text!r} != batched "
+                                f"{out.token_ids} {out.text!r}")
+    if problems:
+        fail(name, model_name, stopped, "\n".join(problems))

@@ -1,0 +1,125 @@
+"""Property 5: the scheduler and the KV cache as a state machine (the one test that reads internals).
+
+It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
+engine, on tiny pools, budgets and block sizes.
+After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
+aborted requests hold no block); no two live sequences share a block; each running sequence holds
+exactly the blocks its computed tokens need; a step never exceeds max_num_batched_tokens or
+max_num_seqs; a step with work to do schedules something. At the end every request finishes and
+every block is free. A failure writes the rules so far as a schedule (arrival and abort steps) to
+$REFENGINE_REPRO_DIR/scheduler-kv-state-machine.json, which `refengine replay` re-runs.
+"""
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from ..check.driver import STEP_ALLOWANCE
+from ..engine import EngineConfig, LLMEngine
+from ..sampling import SamplingParams
+from ..strategies import MAX_PROMPT_LEN, MAX_TOKENS, tiny_model
+from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE
+from .harness import fail, observe
+
+MAX_REQUESTS = 6
+NAME = "scheduler-kv-state-machine"
+
+
+class SchedulerKVMachine(RuleBasedStateMachine):
+    fault: str | None = None  # the fault-catalog test runs a subclass with a fault switched on
+
+    @initialize(max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), block_size=st.integers(1, 8),
+                num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), data=st.data())
+    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, data):
+        settings = {"mode": "fast", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
+                    "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128}
+        self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
+        self.schedule = {"engine": settings, "requests": []}
+        self.capacity = num_blocks * block_size
+        self.failed = False
+        for _ in range(first_requests):
+            self.add(data)
+
+    def check(self, condition: bool, message: str) -> None:
+        if not condition:
+            self.failed = True  # teardown must not bury the first failure under its own
+            fail(NAME, DEFAULT_MODEL, self.schedule, message, self.fault)
+
+    def live(self) -> list[str]:
+        return [r["id"] for r in self.schedule["requests"] if self.engine.output(r["id"]).finish_reason is None]
+
+    @precondition(lambda self: len(self.schedule["requests"]) < MAX_REQUESTS)
+    @rule(data=st.data())
+    def add(self, data):
+        max_tokens = data.draw(st.integers(1, min(MAX_TOKENS, self.capacity - 1)), label="max_tokens")
+        length = data.draw(st.integers(1, min(MAX_PROMPT_LEN, self.capacity - max_tokens)), label="prompt length")
+        prompt = [(7 * n + len(self.schedule["requests"])) % VOCAB_SIZE for n in range(length)]  # values don't matter here
+        request_id = f"r{len(self.schedule['requests'])}"
+        self.schedule["requests"].append({"id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens,
+                                          "arrival_step": self.engine.num_steps})
+        self.engine.add_request(request_id, prompt, params=SamplingParams(max_tokens=max_tokens))
+
+    @precondition(lambda self: self.schedule["requests"])
+    @rule(data=st.data())
+    def abort(self, data):
+        """Any request, finished ones included: aborting those must change nothing."""
+        request = data.draw(st.sampled_from(self.schedule["requests"]), label="abort")
+        if self.engine.abort(request["id"]):
+            request["abort_step"] = self.engine.num_steps
+
+    @rule()
+    def step(self):
+        status = self.engine.status()
+        self.engine.step()
+        entry = self.engine.trace[-1]
+        scheduled = sum(c["num_tokens"] for c in entry["scheduled"])
+        config = self.engine.config
+        self.check(scheduled <= config.max_num_batched_tokens,
+                   f"step {entry['step']} scheduled {scheduled} tokens, budget {config.max_num_batched_tokens}")
+        self.check(len(entry["scheduled"]) <= config.max_num_seqs,
+                   f"step {entry['step']} ran {len(entry['scheduled'])} sequences, max_num_seqs {config.max_num_seqs}")
+        self.check(bool(entry["scheduled"]) or not status["running"] + status["waiting"],
+                   f"step {entry['step']} scheduled nothing with {status['running']} running and "
+                   f"{status['waiting']} waiting: no progress")
+
+    @invariant()
+    def kv_accounting_adds_up(self):
+        try:
+            self.engine.check_invariants()
+        except AssertionError as e:
+            self.check(False, f"after step {self.engine.num_steps - 1}: KV accounting: {e}")
+        running = self.engine.scheduler.running
+        self.check(len(running) <= self.engine.config.max_num_seqs,
+                   f"{len(running)} running sequences, max_num_seqs {self.engine.config.max_num_seqs}")
+        owner = {}
+        for seq in self.engine.sequences.values():
+            for block in seq.block_table.block_ids:
+                self.check(block not in owner, f"block {block} is in the tables of both {owner.get(block)} and "
+                                               f"{seq.request_id}: one of them reads the other's KV")
+                owner[block] = seq.request_id
+            if seq.is_finished:
+                self.check(not seq.block_table.block_ids,
+                           f"{seq.request_id} finished ({seq.finish_reason}) but holds blocks {seq.block_table.block_ids}")
+
+    def teardown(self):
+        if not hasattr(self, "engine") or self.failed:
+            return
+        budget = STEP_ALLOWANCE * sum(len(r["prompt_ids"]) + r["max_tokens"] for r in self.schedule["requests"])
+        for _ in range(budget):
+            if not self.engine.has_unfinished():
+                break
+            self.step()
+            self.kv_accounting_adds_up()
+        self.check(not self.engine.has_unfinished(), f"requests {self.live()} never finished in {budget} steps")
+        observe(self.schedule, self.engine.trace)
+        used = self.engine.block_manager.num_used_blocks
+        self.check(used == 0, f"every request finished but {used} KV blocks are still in use")
+
+
+class TestSchedulerKVMachine(SchedulerKVMachine.TestCase):
+    pytestmark = pytest.mark.invariants
