@@ -64,3 +64,18 @@ def test_a_valid_command_line_succeeds(model_dir, tmp_path):
     result = refengine("logits", "--model", model_dir, "--ids", f"0,{SPEC.vocab - 1}", "--out", "x.npy", cwd=tmp_path)
     assert result.returncode == 0 and result.stderr == ""
     assert (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["validate", "--url", "http://127.0.0.1:9", "--golden", "g.jsonl", "--concurrency", "0"], "--concurrency"),
+    (["make-tiny", "out", "--heads", "3", "--kv-heads", "2"], "--heads"),
+    (["bench", "--requests", "0"], "--requests"),
+    (["replay", "--fault", "drop-token"], "--fault"),
+    (["run-schedule", "--mode", "fast", "--model", "no-such-folder"], "no-such-folder"),
+])
+def test_library_errors_name_the_flag_that_set_the_field(tmp_path, command, flag):
+    """The library names fields (`concurrency: ...`); the one line the user reads names the flag."""
+    (tmp_path / "g.jsonl").write_text("")
+    result = refengine(*command, cwd=tmp_path)
+    assert_one_line_error(result, flag)
+    assert result.stderr.split("error: ", 1)[1].startswith(flag)

@@ -218,6 +218,13 @@ def test_request_errors_name_the_request_and_leave_the_engine_usable(tiny_model)
         EngineConfig(mode="quick")
 
 
+def test_an_engine_reads_no_fault_from_the_environment(tiny_model, monkeypatch):
+    """A stray REFENGINE_FAULT must not inject a bug into engines a library user (or a baseline) builds."""
+    monkeypatch.setenv("REFENGINE_FAULT", "seed-leak")
+    assert EngineConfig().fault is None and EngineConfig().injected is None
+    assert LLMEngine(tiny_model, EngineConfig()).config.injected is None
+
+
 SCHEDULE = {
     "engine": {"mode": "invariant", "max_num_seqs": 3, "max_num_batched_tokens": 6, "block_size": 4,
                "num_blocks": 10},

@@ -20,7 +20,7 @@ def plot_sweep(path: str | Path, sweep: dict[str, dict[int, dict]], roofline: Ro
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RefengineError("--plot: needs matplotlib (pip install 'refengine[plot]')") from None
+        raise RefengineError("plot: needs matplotlib (pip install 'refengine[plot]')") from None
     sweep = {mode: {int(b): run for b, run in runs.items()} for mode, runs in sweep.items()}
     batches = sorted({b for runs in sweep.values() for b in runs})
     grid = np.unique(np.geomspace(1, max(batches) * 1.5, 64).round().astype(int))

@@ -9,10 +9,10 @@ from ..validate.board import APIS, Settings, format_report, validate
 
 
 def run_validate(args) -> int:
-    golden = read_golden(args.golden)
     settings = Settings(concurrency=args.concurrency, seed=args.seed, cancel_rate=args.cancel_rate,
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
                         repeat=args.repeat, timeout=args.timeout)
+    golden = read_golden(args.golden)
     report = validate(args.url, golden, settings)
     print(format_report(report))
     if args.report:
