@@ -8,7 +8,7 @@ import pytest
 
 from refengine.check.driver import run_schedule
 from refengine.check.schedule import load_schedule, parse_schedule
-from refengine.engine import EngineConfig, LLMEngine
+from refengine.engine import EngineConfig, LLMEngine, numerics
 from refengine.errors import RefengineError
 from refengine.reference import generate, prompt_logits
 from refengine.sampling import SamplingParams
@@ -223,6 +223,19 @@ def test_an_engine_reads_no_fault_from_the_environment(tiny_model, monkeypatch):
     monkeypatch.setenv("REFENGINE_FAULT", "seed-leak")
     assert EngineConfig().fault is None and EngineConfig().injected is None
     assert LLMEngine(tiny_model, EngineConfig()).config.injected is None
+
+
+def test_invariant_mode_is_refused_naming_the_blas_where_the_tile_probe_fails(tiny_model, monkeypatch):
+    """Where this BLAS would break the 16-row tile assumption, invariant mode refuses at construction
+    instead of silently losing bit-exactness; fast mode still builds."""
+    monkeypatch.setattr(numerics, "tile_assumption_holds", lambda: False)
+    blas = numerics.blas_identity()
+    with pytest.raises(RefengineError, match="mode: invariant") as error:
+        LLMEngine(tiny_model, EngineConfig(mode="invariant"))
+    message = str(error.value)
+    assert all(str(blas[key]) in message for key in ("internal_api", "version", "architecture") if blas[key])
+    assert "fast" in message
+    assert LLMEngine(tiny_model, EngineConfig(mode="fast")).config.mode == "fast"
 
 
 SCHEDULE = {

@@ -11,7 +11,8 @@ from refengine.serve import OpenAIServer
 from refengine.suite.harness import PropertyFailure
 from refengine.suite.test_http import answers_match_golden, connect, http_property
 
-pytestmark = [pytest.mark.invariants, pytest.mark.http]
+pytestmark = [pytest.mark.invariants, pytest.mark.http,
+              pytest.mark.xdist_group("http-server")]  # --dist loadgroup: the drain check needs the server to itself
 FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one KV block
 
 

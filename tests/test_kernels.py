@@ -9,6 +9,7 @@ from refengine.engine.kernels import (
     linear_fast,
     linear_invariant,
 )
+from refengine.engine.numerics import tile_assumption_holds, tile_rows_are_independent
 
 
 @pytest.mark.parametrize("out_features, in_features", [(4096, 256), (1000, 96), (48, 64)])
@@ -16,16 +17,19 @@ def test_linear_invariant_rows_do_not_depend_on_the_batch(out_features, in_featu
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
     x = rng.standard_normal((37, in_features), dtype=np.float32)
-    alone = np.concatenate([linear_invariant(x[i:i + 1], weight) for i in range(len(x))])
-    for _ in range(5):
-        order = rng.permutation(len(x))[:rng.integers(2, len(x) + 1)]
-        assert np.array_equal(linear_invariant(x[order], weight), alone[order])
+    orders = [rng.permutation(len(x))[:rng.integers(2, len(x) + 1)] for _ in range(5)]
+    assert tile_rows_are_independent(weight, x, orders)  # the check invariant mode's start-up probe makes
     exact = x.astype(np.float64) @ weight.T.astype(np.float64)
-    assert np.allclose(alone, exact, rtol=1e-4, atol=1e-4)
+    assert np.allclose(linear_invariant(x, weight), exact, rtol=1e-4, atol=1e-4)
     assert np.allclose(linear_fast(x, weight), exact, rtol=1e-4, atol=1e-4)
     column_major = fast_layout(weight)
     assert np.array_equal(column_major, weight) and column_major.flags.f_contiguous
     assert np.allclose(linear_fast(x, column_major), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_the_start_up_probe_finds_the_tile_assumption_holds_on_this_blas():
+    """What an invariant-mode engine checks before it starts (engine.numerics.require_tile_assumption)."""
+    assert tile_assumption_holds()
 
 
 def test_attend_invariant_is_independent_of_chunking_and_matches_the_masked_form():

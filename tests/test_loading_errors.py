@@ -1,10 +1,12 @@
-"""Every bad model folder or prompt is refused with a RefengineError naming what is wrong;
-and the safetensors reader/writer agree bit for bit with the independent libraries."""
+"""Every bad model folder or prompt is refused with a RefengineError naming what is wrong (the
+safetensors library reads the weights: its exceptions come back translated, naming the file); and
+our safetensors writer and the library agree bit for bit."""
 from __future__ import annotations
 
 import json
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file as st_load_file
@@ -47,6 +49,17 @@ def rewrite_weights(folder, edit):
     st_save_file(tensors, folder / WEIGHTS)
 
 
+def rewrite_header(folder, edit):
+    """Rewrite model.safetensors' JSON header after `edit(header)`, keeping the data bytes."""
+    data = (folder / WEIGHTS).read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (folder / WEIGHTS).write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + header_len:])
+
+
 def test_the_untouched_copy_loads(folder):
     model = load_model(folder)
     assert prompt_logits(model, [1, 2, 3]).shape == (3, SPEC.vocab)
@@ -86,7 +99,16 @@ def test_missing_tokenizer(folder):
 def test_truncated_weights_file(folder, keep_fraction):
     data = (folder / WEIGHTS).read_bytes()
     (folder / WEIGHTS).write_bytes(data[:int(len(data) * keep_fraction)])
-    with pytest.raises(RefengineError, match=r"model\.safetensors: truncated safetensors file: tensor '.+'"):
+    # The library only says the data section is short; refengine names the tensor that runs past its end.
+    with pytest.raises(RefengineError, match=r"model\.safetensors: truncated safetensors file.*: tensor '"):
+        load_model(folder)
+
+
+def test_trailing_bytes_after_the_last_tensor(folder):
+    """The library refuses a data section longer than the header's tensors (the old reader ignored it)."""
+    with open(folder / WEIGHTS, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(RefengineError, match=r"model\.safetensors: truncated safetensors file \(or trailing bytes\)"):
         load_model(folder)
 
 
@@ -112,14 +134,34 @@ def test_header_that_is_not_json(folder):
 
 
 def test_header_offsets_that_contradict_the_shape(folder):
-    data = (folder / WEIGHTS).read_bytes()
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + header_len])
-    header["model.norm.weight"]["shape"] = [SPEC.hidden + 1]
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    (folder / WEIGHTS).write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + header_len:])
-    with pytest.raises(RefengineError, match=r"corrupt safetensors header: tensor 'model\.norm\.weight'"):
+    rewrite_header(folder, lambda h: h["model.norm.weight"].update(shape=[SPEC.hidden + 1]))
+    # safetensors' TensorInvalidInfo carries no name: refengine finds the tensor for the message.
+    with pytest.raises(RefengineError, match=r"model\.safetensors: corrupt safetensors header: a tensor's offsets "
+                                             r"do not match its shape and dtype: tensor 'model\.norm\.weight'"):
+        load_model(folder)
+
+
+def test_two_tensors_sharing_a_byte_range(folder):
+    """The library refuses overlapping tensors (the old reader accepted them), naming where the ranges break."""
+    def edit(header):
+        header["model.layers.0.input_layernorm.weight"]["data_offsets"] = header["model.norm.weight"]["data_offsets"]
+
+    rewrite_header(folder, edit)
+    with pytest.raises(RefengineError, match=r"model\.safetensors: corrupt safetensors header: tensor byte ranges "
+                                             r"overlap or leave a gap: tensor 'model\..+'"):
+        load_model(folder)
+
+
+def test_dtype_the_library_reads_but_a_model_cannot_use(folder):
+    rewrite_header(folder, lambda h: h["model.norm.weight"].update(dtype="I16", shape=[2 * SPEC.hidden]))
+    with pytest.raises(RefengineError,
+                       match=r"model\.safetensors: tensor 'model\.norm\.weight' has unsupported dtype I16"):
+        load_model(folder)
+
+
+def test_dtype_unknown_to_the_format(folder):
+    rewrite_header(folder, lambda h: h["model.norm.weight"].update(dtype="Q4"))
+    with pytest.raises(RefengineError, match=r"model\.safetensors: corrupt safetensors header \(safetensors: .+\)"):
         load_model(folder)
 
 
@@ -265,6 +307,8 @@ def test_bf16_write_rounds_like_torch_and_reads_back_widened_exactly(tmp_path):
     assert read_by_library.dtype == torch.bfloat16
     assert torch.equal(read_by_library.view(torch.int16), expected.view(torch.int16))
 
+    as_stored = SafetensorsFile(tmp_path / "ours.safetensors").get("x")
+    assert as_stored.dtype == ml_dtypes.bfloat16 and as_stored.shape == x.shape
     ours = SafetensorsFile(tmp_path / "ours.safetensors").get_float("x")
     assert ours.dtype == np.float32
     np.testing.assert_array_equal(ours.view(np.uint32), expected.to(torch.float32).numpy().view(np.uint32))

@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from refengine.engine import EngineConfig, LLMEngine
+from refengine.model import load_model
 from refengine.sampling import SamplingParams
 from refengine.serve import OpenAIServer
 
@@ -210,6 +212,30 @@ def test_sampled_tokens_report_their_own_logprob(server, tiny_model):
         assert logprobs["token_logprobs"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_in_vllm(tmp_path, tiny_model_dir):
+    folder = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    model = load_model(folder)
+    server = start_server(model, max_num_seqs=2)
+    try:
+        messages = CAPITAL["messages"]
+        default = generate(server, "chat", {**CAPITAL, "max_tokens": 2}, stream=False)["prompt_token_ids"]
+        for stream in (False, True):
+            body = {**CAPITAL, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+            got = generate(server, "chat", body, stream=stream)["prompt_token_ids"]
+            assert got == model.tokenizer.encode_chat(messages, enable_thinking=False) != default
+        assert default == model.tokenizer.encode_chat(messages)
+    finally:
+        server.close()
+
+
 def test_models_and_health(server, tiny_model):
     code, raw = call(server.url, "GET", "/v1/models")
     model = json.loads(raw)["data"][0]
@@ -232,6 +258,10 @@ BAD_REQUESTS = {
     "missing-prompt": ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     "missing-messages": ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
     "message-without-role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    "template-kwargs-not-object": ("/v1/chat/completions", {**CAPITAL, "chat_template_kwargs": ["enable_thinking"]},
+                                   400, "chat_template_kwargs"),
+    "template-kwargs-messages": ("/v1/chat/completions", {**CAPITAL, "chat_template_kwargs": {"messages": []}},
+                                 400, "chat_template_kwargs"),
     "stop-not-strings": ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     "n-2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),

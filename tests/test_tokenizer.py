@@ -46,7 +46,8 @@ def test_model_template_is_used_instead_of_chatml(tmp_path, tiny_model_dir):
 
 def test_template_without_config_falls_back_to_chatml(tmp_path, tiny_model_dir):
     (tmp_path / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
-    text = Tokenizer(tmp_path).apply_chat_template(MESSAGES[1:])
+    with pytest.warns(UserWarning, match="no chat template.*ChatML"):
+        text = Tokenizer(tmp_path).apply_chat_template(MESSAGES[1:])
     assert text == "<|im_start|>user\nCapital of Japan?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -84,3 +85,32 @@ def test_incremental_detokenize_equals_full_decode(tokenizer, data):
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == tokenizer.decode(ids)
     assert detok.text == tokenizer.decode(ids)
+
+
+def test_incremental_detokenizer_holds_back_a_split_character_and_skips_special_tokens(tokenizer):
+    ids = tokenizer.encode("東京") + [tokenizer.token_to_id("<|im_end|>")] + tokenizer.encode(" ok")
+    detok = tokenizer.detokenizer()
+    pieces = [detok.push(i) for i in ids]
+    assert "\ufffd" not in "".join(pieces) and "<|im_end|>" not in "".join(pieces)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids) == "東京 ok"
+    assert detok.ids == ids
+
+
+def test_incremental_detokenizer_ends_with_the_incomplete_tail_on_flush(tokenizer):
+    ids = tokenizer.encode("a東")
+    detok = tokenizer.detokenizer()
+    text = "".join(detok.push(i) for i in ids[:-1])
+    assert text + detok.flush() == tokenizer.decode(ids[:-1]) == detok.text
+
+
+def test_incremental_detokenizer_falls_back_to_full_decodes_if_the_stream_fails(tokenizer):
+    class Refusing:
+        def step(self, tok, token_id):
+            raise Exception("invalid prefix")
+
+    ids = tokenizer.encode("Tokyo 東京 — café")
+    detok = tokenizer.detokenizer()
+    first = detok.push(ids[0])
+    detok._stream = Refusing()
+    pieces = [first] + [detok.push(i) for i in ids[1:]] + [detok.flush()]
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from .. import reference
 from ..data import shipped
-from ..engine import kernels, model_runner
+from ..engine import kernels, model_runner, numerics
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
@@ -110,6 +110,7 @@ def calibrate(model: Model) -> dict:
             "f32_vs_f64_median": float(np.median(precision_noise)),
             "statistic": "max |logit difference| over tokens both runs agree on",
         },
+        "numerics": numerics.blas_identity(),  # the BLAS measured on (optional: stored calibrations predate it)
     }
 
 
@@ -127,6 +128,9 @@ def load_calibration(path: str | Path) -> dict:
         value = data.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise RefengineError(f"{path}: {key}: expected a number >= 0, got {value!r}")
+    if not isinstance(data.get("numerics", {}), dict):
+        raise RefengineError(f"{path}: numerics: expected a JSON object (the BLAS it was measured on), "
+                             f"got {data['numerics']!r}")
     return data
 
 
@@ -151,13 +155,15 @@ def stored_calibration(model: Model) -> dict | None:
     return None
 
 
-@functools.cache  # the sources do not change under a running process
+@functools.cache  # neither the sources nor the loaded BLAS change under a running process
 def numerics_digest() -> str:
-    """Of the sources whose arithmetic the bounds measure: a bound cached under another digest was
-    measured on other kernels, and may be too loose or too tight for these."""
+    """Of the sources whose arithmetic the bounds measure and of the BLAS that does it (library, version,
+    CPU kernel: engine.numerics.blas_numerics): a bound cached under another digest was measured on other
+    kernels, and may be too loose or too tight for these."""
     digest = hashlib.sha256()
     for module in (kernels, model_runner, reference):
         digest.update(Path(module.__file__).read_bytes())
+    digest.update(json.dumps(numerics.blas_numerics(), sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 

@@ -23,10 +23,13 @@ from .calibrate import tolerance
 
 GOLDEN_FORMAT = 1
 TOP_K_LOGPROBS = 5
-PROMPT_KEYS = {"id", "prompt", "messages", "max_tokens"}
+PROMPT_KEYS = {"id", "prompt", "messages", "chat_template_kwargs", "max_tokens"}
 CASE_KEYS = ("prompt_ids", "max_tokens", "token_ids", "text", "finish_reason", "margins", "top_logprobs",
              "text_offsets")  # each case line: id, then prompt or messages, then these
 OPTIONAL_CASE_KEYS = ("text_offsets",)  # our extension of FORMATS.md; without it text cannot be aligned
+# Also ours: a chat case's template arguments (`enable_thinking`, ...), on the case line after `messages`
+# only when the prompt gave them, so golden files without them keep their bytes.
+TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
 NOISE_KEYS = ("f32_vs_f64", "safety_factor")
 
 
@@ -36,9 +39,13 @@ class PromptCase:
     max_tokens: int
     prompt: str | None = None
     messages: list | None = None
+    chat_template_kwargs: dict | None = None  # template arguments for `messages` (enable_thinking, ...)
 
     def encode(self, model: Model) -> list[int]:
-        ids = model.tokenizer.encode_chat(self.messages) if self.messages else model.tokenizer.encode(self.prompt)
+        if self.messages:
+            ids = model.tokenizer.encode_chat(self.messages, **(self.chat_template_kwargs or {}))
+        else:
+            ids = model.tokenizer.encode(self.prompt)
         return model.check_prompt(ids, f"case {self.id!r}")
 
 
@@ -55,6 +62,7 @@ class GoldenCase:
     margins: list[float]
     top_logprobs: list[list]
     text_offsets: list[int] | None  # len(text) once token i is detokenized: text[:text_offsets[i]] is settled
+    chat_template_kwargs: dict | None = None  # the template arguments `messages` were rendered with
 
     def text_before(self, step: int) -> str:
         return self.text[:self.text_offsets[step - 1]] if step > 0 and self.text_offsets else ""
@@ -108,6 +116,15 @@ def _is_chat(messages) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
 
 
+def _check_template_kwargs(where: str, obj: dict) -> None:
+    if TEMPLATE_KWARGS_KEY not in obj:
+        return
+    if not isinstance(obj[TEMPLATE_KWARGS_KEY], dict):
+        raise RefengineError(f"{where}: '{TEMPLATE_KWARGS_KEY}' must be an object (template argument -> value)")
+    if "messages" not in obj:
+        raise RefengineError(f"{where}: '{TEMPLATE_KWARGS_KEY}' needs 'messages' (it is for the chat template)")
+
+
 def load_prompts(path: str | Path) -> list[PromptCase]:
     cases, seen = [], set()
     for where, obj in _json_lines(Path(path)):
@@ -127,8 +144,10 @@ def load_prompts(path: str | Path) -> list[PromptCase]:
             raise RefengineError(f"{where}: 'prompt' must be a non-empty string")
         if "messages" in obj and not _is_chat(obj["messages"]):
             raise RefengineError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} strings")
+        _check_template_kwargs(where, obj)
         seen.add(case_id)
-        cases.append(PromptCase(case_id, max_tokens, obj.get("prompt"), obj.get("messages")))
+        cases.append(PromptCase(case_id, max_tokens, obj.get("prompt"), obj.get("messages"),
+                                obj.get(TEMPLATE_KWARGS_KEY)))
     if not cases:
         raise RefengineError(f"{path}: no prompts")
     return cases
@@ -145,7 +164,8 @@ def reference_case(model: Model, case: PromptCase) -> GoldenCase:
     offsets[-1] = len(detok.text)
     return GoldenCase(case.id, case.prompt, case.messages, prompt_ids, case.max_tokens, result.token_ids,
                       result.text, result.finish_reason, result.margins,
-                      [[[i, lp] for i, lp in s.top_logprobs] for s in result.steps], offsets)
+                      [[[i, lp] for i, lp in s.top_logprobs] for s in result.steps], offsets,
+                      chat_template_kwargs=case.chat_template_kwargs)
 
 
 def golden_header(model: Model, prompts_path: Path, noise: dict) -> dict:
@@ -162,6 +182,8 @@ def golden_header(model: Model, prompts_path: Path, noise: dict) -> dict:
 
 def case_line(case: GoldenCase) -> dict:
     source = {"messages": case.messages} if case.messages else {"prompt": case.prompt}
+    if case.chat_template_kwargs is not None:
+        source[TEMPLATE_KWARGS_KEY] = case.chat_template_kwargs
     return {"id": case.id, **source, **{key: getattr(case, key) for key in CASE_KEYS}}
 
 
@@ -199,7 +221,9 @@ def _parse_case(where: str, obj: dict) -> GoldenCase:
     if not n or any(len(obj[k]) != n for k in ("margins", "top_logprobs", "text_offsets") if k in obj):
         raise RefengineError(f"{where}: token_ids, margins, top_logprobs and text_offsets must have one "
                              f"entry per generated token")
-    return GoldenCase(obj["id"], obj.get("prompt"), obj.get("messages"), **{k: obj.get(k) for k in CASE_KEYS})
+    _check_template_kwargs(where, obj)
+    return GoldenCase(obj["id"], obj.get("prompt"), obj.get("messages"), **{k: obj.get(k) for k in CASE_KEYS},
+                      chat_template_kwargs=obj.get(TEMPLATE_KWARGS_KEY))
 
 
 def read_golden(path: str | Path) -> Golden:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..check.margins import measure_margins
+from ..engine import numerics
 from ..errors import RefengineError
 from ..model.tiny import ARCHITECTURES, PRESETS, TinySpec, make_tiny
 from ..reference import generate, prompt_logits
@@ -27,6 +28,14 @@ def run_info(args) -> int:
         "stored dtype": ",".join(model.checkpoint.stored_dtypes), "eos ids": list(cfg.eos_token_ids),
         "fingerprint": model.fingerprint,
     }
+    blas = numerics.blas_identity()
+    rows.update({
+        "blas": f"{blas['internal_api']} {blas['version']} ({blas['name']})", "blas kernel": blas["architecture"],
+        "blas threads": blas["threads"],
+        "invariant mode": f"available ({numerics.TILE_ROWS}-row tiles bit-exact on this BLAS)"
+        if numerics.tile_assumption_holds() else f"refused: this BLAS breaks the {numerics.TILE_ROWS}-row tile "
+                                                 "assumption (fast mode works)",
+    })
     width = max(map(len, rows))
     for key, value in rows.items():
         print(f"{key:<{width}}  {value}")

@@ -48,7 +48,8 @@ def linear_fast(x, weight):  # x [rows, in], weight [out, in] in either memory o
 # linear_invariant multiplies x in tiles of 16 rows: 16 is the row count of OpenBLAS's float32 gemm
 # microkernel on x86-64 (16x4 on Haswell and Zen), so the rows of a tile are the lanes of the same
 # vector registers, each accumulating its own products in the same order whatever the other lanes
-# hold. Padding rows only fill lanes. (tests/test_kernels.py checks this on the machine it runs on.)
+# hold. Padding rows only fill lanes. (numerics.tile_assumption_holds checks this once per process before an
+# invariant engine starts, refusing invariant mode where it fails; tests/test_kernels.py runs the same check.)
 TILE_ROWS = 16
 # Weight rows per block: about 4 MB, so a block stays in cache while every tile of the step passes
 # over it (weight-stationary). Depends only on the weight's shape, never on the batch.

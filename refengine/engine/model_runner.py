@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import Model
+from . import numerics
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .faults import Fault
@@ -62,8 +63,10 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig):
         cfg = model.config
         self.cfg = cfg
-        weights = model.weights(np.float32)
         self.invariant = config.mode == "invariant"
+        if self.invariant:  # before any weight is copied: refuse rather than silently lose bit-exactness
+            numerics.require_tile_assumption()
+        weights = model.weights(np.float32)
         self.linear = linear_invariant if self.invariant else linear_fast
         project = fast_layout if not self.invariant and config.max_num_seqs > 1 else _owned
         self.layers = [RunnerLayer(

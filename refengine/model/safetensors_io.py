@@ -1,29 +1,126 @@
-"""Read and write safetensors files, BF16 included.
+"""Read safetensors with the safetensors library; write them ourselves, byte for byte reproducibly.
 
-safetensors' numpy backend cannot read BF16 (numpy has no such dtype), and real Qwen3
-checkpoints are BF16, so reading parses the documented layout itself — an 8-byte little-endian
-header length, a JSON header, then the raw data — and memory-maps each tensor. Writing emits
-the same layout; the tests check both directions against the safetensors library itself.
+Reading goes through `safetensors.safe_open(path, framework="np")`, one tensor at a time and one
+open per tensor, so a file's mapping never stays resident beyond the tensor being copied out.
+ml_dtypes is imported here because it registers `bfloat16` with numpy: with it, safetensors
+(>= 0.4.1) returns BF16 tensors as `ml_dtypes.bfloat16` arrays, which `.astype(np.float32)` widens
+exactly (bf16 is the top half of a float32). The library's own exceptions are translated into
+RefengineError naming the file (and the tensor, where the library or we know it).
 """
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safe_open(framework="np") needs)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from ..errors import RefengineError
 
-_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-                 "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+READABLE_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "U8")
 _WRITE_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# The library's header errors, worded as in safetensors >= 0.6 and (Debug names) in 0.4.x / 0.5.x.
+_HEADER_ERRORS = [
+    (("header too small", "HeaderTooSmall"), "truncated safetensors file (no complete header)"),
+    (("invalid header length", "InvalidHeaderLength"),
+     "corrupt safetensors header (header length exceeds the file size)"),
+    (("header too large", "HeaderTooLarge"), "corrupt safetensors header (header length too large)"),
+    (("incomplete metadata", "MetadataIncompleteBuffer"),
+     "truncated safetensors file (or trailing bytes): the data section does not end where the header's "
+     "last tensor ends"),
+    (("invalid shape, data type, or offset", "TensorInvalidInfo"),
+     "corrupt safetensors header: a tensor's offsets do not match its shape and dtype"),
+    (("invalid offset", "InvalidOffset"),
+     "corrupt safetensors header: tensor byte ranges overlap or leave a gap"),
+    (("invalid JSON", "invalid UTF-8", "InvalidHeader"), "corrupt safetensors header"),
+]
+_NAMED_TENSOR = re.compile(r"tensor `([^`]*)`|InvalidOffset\(\"(.*)\"\)")
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 is the top half of an IEEE float32, so widening is an exact shift."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
 
+
+def _culprit(path: Path) -> str | None:
+    """The tensor a header error the library does not attribute is about -- the first whose byte range
+    does not match its shape and dtype or runs past the data -- read for the message only."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        data_size = path.stat().st_size - 8 - length
+        for name, info in header.items():
+            begin, end = info["data_offsets"] if name != "__metadata__" else (0, 0)
+            size = int(np.prod(info["shape"])) * _ITEMSIZE[info["dtype"]] if name != "__metadata__" else 0
+            if end - begin != size or end > data_size:
+                return name
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _translate(path: Path, error: Exception, tensor: str | None = None) -> RefengineError:
+    """One RefengineError naming the file (and the tensor, if known) with the library's own words."""
+    text = str(error)
+    named = _NAMED_TENSOR.search(text)
+    tensor = tensor or (named and (named.group(1) or named.group(2))) or _culprit(path)
+    what = next((meaning for keys, meaning in _HEADER_ERRORS if any(k in text for k in keys)),
+                "cannot read safetensors file")
+    where = f": tensor {tensor!r}" if tensor else ""
+    return RefengineError(f"{path}: {what}{where} (safetensors: {text})")
+
+
+class SafetensorsFile:
+    """One file, read by the safetensors library: `tensors` maps name -> (dtype string, shape);
+    `get` reads one tensor. No file handle or mapping is kept between calls."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with self._open() as f:
+            self.metadata = f.metadata() or {}
+            self.tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+            for name in f.keys():
+                info = f.get_slice(name)
+                dtype, shape = info.get_dtype(), tuple(int(d) for d in info.get_shape())
+                if dtype not in READABLE_DTYPES:
+                    raise RefengineError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
+                self.tensors[name] = (dtype, shape)
+
+    @contextmanager
+    def _open(self, tensor: str | None = None):
+        try:
+            handle = safe_open(self.path, framework="np")
+        except FileNotFoundError:
+            raise RefengineError(f"{self.path}: file not found") from None
+        except OSError as e:
+            raise RefengineError(f"{self.path}: cannot open ({e.strerror or e})") from None
+        except SafetensorError as e:
+            raise _translate(self.path, e, tensor) from None
+        with handle as f:
+            yield f
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored (BF16 as ml_dtypes.bfloat16), copied out of the file."""
+        with self._open(name) as f:
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as e:
+                raise _translate(self.path, e, name) from None
+
+    def get_float(self, name: str, dtype=np.float32) -> np.ndarray:
+        array = self.get(name)
+        if self.tensors[name][0] == "BF16":
+            array = array.astype(np.float32)  # exact: bf16 is the top half of a float32
+        return np.asarray(array, dtype=dtype)
+
+
+# Writing. safetensors.numpy.save_file would do, but `refengine make-tiny` promises byte-identical
+# files (its fingerprints and the shipped golden files depend on them): this writer's exact bytes
+# (sorted names, compact JSON, space padding to 8 bytes, round-to-nearest-even BF16) are what keeps
+# that promise across safetensors versions, so it stays ours. The tests check the library reads it.
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bf16 bit patterns (as torch does)."""
@@ -35,74 +132,17 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
-class SafetensorsFile:
-    """One opened file: `tensors` maps name -> (dtype string, shape); `get` memory-maps one."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    raise RefengineError(f"{self.path}: truncated safetensors file ({size} bytes, no header)")
-                header_len = int.from_bytes(prefix, "little")
-                if header_len > min(MAX_HEADER_BYTES, size - 8):
-                    raise RefengineError(
-                        f"{self.path}: corrupt safetensors header (header length {header_len} exceeds file size {size})")
-                raw = f.read(header_len)
-        except FileNotFoundError:
-            raise RefengineError(f"{self.path}: file not found") from None
-        try:
-            header = json.loads(raw.decode("utf-8"))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-        except (UnicodeDecodeError, ValueError) as e:
-            raise RefengineError(f"{self.path}: corrupt safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.data_start = 8 + header_len
-        self.tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._offsets: dict[str, tuple[int, int]] = {}
-        data_size = size - self.data_start
-        for name, info in header.items():
-            try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise RefengineError(f"{self.path}: corrupt safetensors header entry for tensor {name!r}") from None
-            if dtype not in _NUMPY_DTYPES:
-                raise RefengineError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
-            expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
-            if end - begin != expected or begin < 0:
-                raise RefengineError(
-                    f"{self.path}: corrupt safetensors header: tensor {name!r} offsets {begin}..{end} "
-                    f"do not match shape {list(shape)} {dtype}")
-            if end > data_size:
-                raise RefengineError(
-                    f"{self.path}: truncated safetensors file: tensor {name!r} ends at byte {end} "
-                    f"of a {data_size}-byte data section")
-            self.tensors[name] = (dtype, shape)
-            self._offsets[name] = (begin, end)
-
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as stored (BF16 as uint16 bit patterns), memory-mapped, read-only."""
-        dtype, shape = self.tensors[name]
-        begin, _ = self._offsets[name]
-        if int(np.prod(shape)) == 0:
-            return np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])
-        return np.memmap(self.path, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<"), mode="r",
-                         offset=self.data_start + begin, shape=shape)
-
-    def get_float(self, name: str, dtype=np.float32) -> np.ndarray:
-        stored_dtype = self.tensors[name][0]
-        array = self.get(name)
-        if stored_dtype == "BF16":
-            array = bf16_bits_to_f32(array)
-        return np.asarray(array, dtype=dtype)
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns -> float32, an exact shift; the reader does not need it (tests use it)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, dtype: str = "F32",
               metadata: dict[str, str] | None = None) -> None:
-    """Write float tensors as `dtype` (F32, F16 or BF16); same input => same bytes."""
+    """Write float tensors as `dtype` (F32, F16 or BF16); same input => same bytes.
+
+    Kept (instead of safetensors.numpy.save_file) only because `refengine make-tiny` must give
+    byte-identical files for its fingerprints."""
     if dtype not in _WRITE_DTYPES:
         raise RefengineError(f"cannot write dtype {dtype!r} (choose F32, F16 or BF16)")
     header: dict = {"__metadata__": metadata or {"format": "pt"}}

@@ -134,12 +134,14 @@ class Checkpoint:
         def get(name):
             return np.ascontiguousarray(self.tensor(name, dtype))
 
+        # Each tensor is read on its own and its file mapping released at once, so the peak is the
+        # converted weights plus one tensor in flight: read the largest (the embedding) first.
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if self.cfg.tie_word_embeddings else get("lm_head.weight")
         expected = expected_shapes(self.cfg)
         layers = []
         for n in range(self.cfg.num_layers):
             fields = {field: get(f"model.layers.{n}.{suffix}") for field, suffix in _LAYER_FIELDS.items()
                       if f"model.layers.{n}.{suffix}" in expected}
             layers.append(LayerWeights(**fields))
-        embed = get("model.embed_tokens.weight")
-        lm_head = embed if self.cfg.tie_word_embeddings else get("lm_head.weight")
         return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)

@@ -2,7 +2,8 @@
 
 Extensions beyond OpenAI: every choice carries `token_ids` (the generated ids; per chunk when
 streaming) and `prompt_token_ids` (non-streaming, and the first streamed chunk); chat logprob
-entries carry `token_id`; `top_k`, `stop_token_ids` and `ignore_eos` are accepted as in vLLM.
+entries carry `token_id`; `top_k`, `stop_token_ids` and `ignore_eos` are accepted as in vLLM, and so
+is `chat_template_kwargs` on chat requests (template arguments such as `enable_thinking`).
 `temperature` defaults to 0 (greedy), and sampling with temperature > 0 needs a `seed`.
 """
 from __future__ import annotations
@@ -100,10 +101,11 @@ def _prompt_ids(kind: str, body: dict, model: Model) -> list[int]:
             messages = body.get("messages")
             if messages is None:
                 raise ApiError(400, "messages: required", param="messages", code="missing_field")
+            template_kwargs = _typed(body, "chat_template_kwargs", (dict,), {}, "an object")
             if isinstance(messages, list):
                 messages = [{**m, "content": _message_text(m.get("content"))} if isinstance(m, dict) else m
                             for m in messages]
-            return model.check_prompt(model.tokenizer.encode_chat(messages), "messages")
+            return model.check_prompt(model.tokenizer.encode_chat(messages, **template_kwargs), "messages")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return model.check_prompt(model.tokenizer.encode(prompt), "prompt")
@@ -113,6 +115,8 @@ def _prompt_ids(kind: str, body: dict, model: Model) -> list[int]:
                        param="prompt", code="invalid_type")
     except RefengineError as e:
         param = "messages" if kind == "chat" else "prompt"
+        if str(e).startswith("chat_template_kwargs:"):
+            param = "chat_template_kwargs"
         raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
 

@@ -7,10 +7,18 @@ one; without it, the `ci` profile when the environment variable CI is set, else 
   dev       25 examples per property (the default on a workstation)
   ci        80 examples, derandomized: the same examples on every run of the same code
   thorough  1000 examples, for a release
+
+A CI fleet shares its failures through one Redis: `--hypothesis-database redis://HOST:PORT/DB` (or
+REFENGINE_HYPOTHESIS_DB=redis://HOST:PORT/DB; the option wins) loads the current profile with
+`database=` a MultiplexedDatabase of the local `.hypothesis/examples` and a RedisExampleDatabase
+(needs the `redis` package), so every machine replays a failure another one found before it generates
+anything new. Tests that pass `database=None` keep it.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,7 +31,22 @@ MARKERS = {
     "golden": "golden-file checks against the float64 reference",
     "parity": "agreement with HF transformers (needs the parity extra)",
     "slow": "long-running; excluded from the default run",
+    # pytest-xdist's own marker, registered here too so the HTTP modules' mark is known without xdist
+    "xdist_group(name)": "with pytest-xdist's --dist loadgroup, every test of the group runs on one worker",
 }
+DATABASE_OPTION = "--hypothesis-database"
+DATABASE_ENV = "REFENGINE_HYPOTHESIS_DB"
+DATABASE_SCHEMES = ("redis", "rediss", "unix")  # what redis.Redis.from_url connects to
+SHARED_SUFFIX = "-with-shared-database"
+
+
+class SharedDatabase(NamedTuple):
+    url: str  # without its password
+    client: object  # redis.Redis
+    profile: str  # the profile it was derived from
+
+
+SHARED_KEY = pytest.StashKey[SharedDatabase]()
 
 for _name, _values in PROFILES.items():
     settings.register_profile(_name, deadline=None, print_blob=True,
@@ -48,11 +71,88 @@ def pytest_addoption(parser):
                          "golden file of the embedded default model)")
     group.addoption("--update-golden", action="store_true",
                     help="regenerate the committed golden files with the float64 reference")
+    group.addoption(DATABASE_OPTION, metavar="URL", default=None,
+                    help=f"share Hypothesis's example database through this Redis (redis://HOST:PORT/DB; "
+                         f"default ${DATABASE_ENV}): every test uses the local .hypothesis/examples plus "
+                         f"the Redis, so a failure found on one machine is replayed first on every other "
+                         f"(needs the redis package)")
 
 
+def redacted(url: str) -> str:
+    """The URL without its password (it goes into error messages and the report header)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:
+        return url
+
+
+def shared_database(url: str, source: str):
+    """MultiplexedDatabase(local .hypothesis/examples, RedisExampleDatabase(url)), after checking the
+    Redis answers; a bad URL or an unreachable Redis is a pytest.UsageError naming `source`."""
+    from hypothesis.configuration import storage_directory
+    from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase
+
+    shown = f"{source} {redacted(url)}"
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in DATABASE_SCHEMES:
+        raise pytest.UsageError(f"{shown}: unknown URL scheme {scheme or '(none)'!r}; expected "
+                                f"redis://HOST:PORT/DB (or rediss://, unix://)")
+    try:
+        from hypothesis.extra.redis import RedisExampleDatabase
+        from redis import Redis
+        from redis.exceptions import RedisError
+    except ImportError as e:
+        raise pytest.UsageError(f"{shown}: needs the redis package ({e}); pip install 'refengine[redis]' "
+                                f"or 'hypothesis[redis]'") from None
+    try:
+        client = Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+        client.ping()
+    except (RedisError, OSError, ValueError) as e:
+        raise pytest.UsageError(f"{shown}: cannot reach Redis: {e}") from None
+    try:  # Hypothesis's usual local database: .hypothesis/examples (or $HYPOTHESIS_STORAGE_DIRECTORY)
+        home = storage_directory("examples", intent_to_write=False)  # nothing is written before a save
+    except TypeError:  # older Hypothesis: no intent_to_write, a plain Path
+        home = storage_directory("examples")
+    local = DirectoryBasedExampleDatabase(getattr(home, "path", home))
+    return client, MultiplexedDatabase(local, RedisExampleDatabase(client))
+
+
+@pytest.hookimpl(trylast=True)  # after Hypothesis's own plugin has loaded --hypothesis-profile
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    url = config.getoption(DATABASE_OPTION)
+    source = DATABASE_OPTION
+    if url is None and os.environ.get(DATABASE_ENV):
+        url, source = os.environ[DATABASE_ENV], f"{DATABASE_ENV} ({DATABASE_OPTION})"
+    if url is None:
+        return
+    client, database = shared_database(url, source)
+    current = getattr(settings, "get_current_profile_name", lambda: "current")()
+    derived = current.removesuffix(SHARED_SUFFIX) + SHARED_SUFFIX
+    settings.register_profile(derived, settings.default, database=database)  # the current profile + database
+    settings.load_profile(derived)
+    config.stash[SHARED_KEY] = SharedDatabase(redacted(url), client, current)
+
+
+def pytest_report_header(config):
+    shared = config.stash.get(SHARED_KEY, None)
+    if shared:
+        return f"hypothesis database: .hypothesis/examples + {shared.url}"
+
+
+def pytest_unconfigure(config):
+    shared = config.stash.get(SHARED_KEY, None)
+    if shared:
+        settings.load_profile(shared.profile)  # an in-process run (pytester) gives its profile back
+        shared.client.close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,7 +24,8 @@ from ..validate.board import describe_record, replay, served_model
 from ..validate.client import Endpoint, ServerError
 from .harness import PropertyFailure
 
-pytestmark = [pytest.mark.invariants, pytest.mark.http]
+pytestmark = [pytest.mark.invariants, pytest.mark.http,
+              pytest.mark.xdist_group("http-server")]  # --dist loadgroup: the drain check needs the server to itself
 
 TIMEOUT_S = 60
 DRAIN_DEADLINE_S = 30

@@ -79,6 +79,8 @@ def request_body(p: Planned, served_model: str) -> dict:
     body = {"model": served_model, "max_tokens": p.case.max_tokens, "temperature": 0, "stream": p.stream}
     if p.api == "chat":
         body["messages"] = p.case.messages
+        if p.case.chat_template_kwargs is not None:  # the template arguments the golden prompt was rendered with
+            body["chat_template_kwargs"] = p.case.chat_template_kwargs
     else:  # chat cases sent as completions carry the golden prompt ids: exactly the tokens the reference saw
         body["prompt"] = p.case.prompt if p.case.prompt is not None else p.case.prompt_ids
     return body
