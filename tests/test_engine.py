@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from refengine.blas import blas_identity
 from refengine.check.driver import run_schedule
 from refengine.check.schedule import load_schedule, parse_schedule
 from refengine.engine import EngineConfig, LLMEngine, numerics
@@ -229,7 +230,7 @@ def test_invariant_mode_is_refused_naming_the_blas_where_the_tile_probe_fails(ti
     """Where this BLAS would break the 16-row tile assumption, invariant mode refuses at construction
     instead of silently losing bit-exactness; fast mode still builds."""
     monkeypatch.setattr(numerics, "tile_assumption_holds", lambda: False)
-    blas = numerics.blas_identity()
+    blas = blas_identity()
     with pytest.raises(RefengineError, match="mode: invariant") as error:
         LLMEngine(tiny_model, EngineConfig(mode="invariant"))
     message = str(error.value)

@@ -49,7 +49,9 @@ VARIANTS = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4,
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=10000.0)),
 }
-STORAGES = ["f32-single", "f32-sharded", "bf16-single", "bf16-sharded"]
+STORAGES = ["f32-single", "f32-sharded", "bf16-single", "bf16-sharded", "f16-sharded"]
+STORED = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
 def build_hf_model(variant: str, seed: int = 0):
@@ -78,11 +80,11 @@ def write_tokenizer(folder, vocab_size: int) -> None:
 
 def save_folder(hf_model, folder, storage: str):
     dtype, layout = storage.split("-")
-    to_save = copy.deepcopy(hf_model).to(torch.bfloat16) if dtype == "bf16" else hf_model
+    to_save = copy.deepcopy(hf_model).to(TORCH_DTYPES[dtype]) if dtype in TORCH_DTYPES else hf_model
     to_save.save_pretrained(folder, max_shard_size="12KB" if layout == "sharded" else "1GB")
     write_tokenizer(folder, hf_model.config.vocab_size)
     shards = sorted(folder.glob("*.safetensors"))
-    assert stored_dtypes(shards) == {"BF16" if dtype == "bf16" else "F32"}
+    assert stored_dtypes(shards) == {STORED[dtype]}
     if layout == "sharded":
         assert (folder / "model.safetensors.index.json").exists() and len(shards) > 1
     else:

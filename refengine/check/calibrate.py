@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .. import reference
+from .. import blas, reference
 from ..data import shipped
-from ..engine import kernels, model_runner, numerics
+from ..engine import kernels, model_runner
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
@@ -47,14 +47,6 @@ SETTINGS = (  # each a different batching pattern: chunked prefill + mixed steps
 )
 KEYS = ("f32_batched_vs_serial", "f32_vs_f64", "safety_factor")
 STORED_DIR = "golden"  # of the package data: committed calibrations, beside the golden files they went into
-
-
-def tolerance(calibration: dict, bound: str) -> float:
-    """The margin rule's tolerance: a calibrated noise bound ("f32_batched_vs_serial" or "f32_vs_f64")
-    times its safety factor. Golden headers carry the same dict as `noise`."""
-    if calibration is None:
-        raise ValueError(f"the margin rule needs a calibration (refengine.check.calibrate) for its {bound} bound")
-    return calibration[bound] * calibration["safety_factor"]
 
 
 def calibration_schedules(vocab_size: int) -> list[dict]:
@@ -110,7 +102,7 @@ def calibrate(model: Model) -> dict:
             "f32_vs_f64_median": float(np.median(precision_noise)),
             "statistic": "max |logit difference| over tokens both runs agree on",
         },
-        "numerics": numerics.blas_identity(),  # the BLAS measured on (optional: stored calibrations predate it)
+        "numerics": blas.blas_identity(),  # the BLAS measured on (optional: stored calibrations predate it)
     }
 
 
@@ -158,12 +150,12 @@ def stored_calibration(model: Model) -> dict | None:
 @functools.cache  # neither the sources nor the loaded BLAS change under a running process
 def numerics_digest() -> str:
     """Of the sources whose arithmetic the bounds measure and of the BLAS that does it (library, version,
-    CPU kernel: engine.numerics.blas_numerics): a bound cached under another digest was measured on other
+    CPU kernel: refengine.blas.blas_numerics): a bound cached under another digest was measured on other
     kernels, and may be too loose or too tight for these."""
     digest = hashlib.sha256()
     for module in (kernels, model_runner, reference):
         digest.update(Path(module.__file__).read_bytes())
-    digest.update(json.dumps(numerics.blas_numerics(), sort_keys=True).encode())
+    digest.update(json.dumps(blas.blas_numerics(), sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 

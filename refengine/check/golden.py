@@ -15,11 +15,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import __version__
+from ..blas import blas_identity
 from ..errors import RefengineError
 from ..model import Model
 from ..reference import generate
 from ..sampling import SamplingParams
-from .calibrate import tolerance
+from .margin_rule import tolerance
 
 GOLDEN_FORMAT = 1
 TOP_K_LOGPROBS = 5
@@ -173,7 +174,8 @@ def golden_header(model: Model, prompts_path: Path, noise: dict) -> dict:
               "precision": "f64", "noise": noise,
               "generation": {"decoding": "greedy", "temperature": 0, "top_logprobs": TOP_K_LOGPROBS,
                              "eos_token_ids": list(model.config.eos_token_ids)},
-              "prompts": prompts_path.name, "architecture": model.config.arch}
+              "prompts": prompts_path.name, "architecture": model.config.arch,
+              "numerics": blas_identity()}  # the BLAS the float64 reference ran on (margins differ in the last bits)
     recipe = model.path / "refengine_tiny.json"
     if recipe.exists():  # how `refengine make-tiny` built this model, so anyone can rebuild it
         header["tiny_model"] = json.loads(recipe.read_text(encoding="utf-8"))

@@ -42,6 +42,14 @@ class Verdict:
         return {k: v for k, v in self.__dict__.items() if v is not None and v != ""}
 
 
+def tolerance(calibration: dict, bound: str) -> float:
+    """The margin rule's tolerance: a calibrated noise bound ("f32_batched_vs_serial" or "f32_vs_f64")
+    times its safety factor. Golden headers carry the same dict as `noise`."""
+    if calibration is None:
+        raise ValueError(f"the margin rule needs a calibration (refengine.check.calibrate) for its {bound} bound")
+    return calibration[bound] * calibration["safety_factor"]
+
+
 def first_divergence(margin: float | None, tolerance: float) -> str:
     """The rule itself: "explained" where the baseline margin is within tolerance, else "diverged"
     (also where the baseline had ended: there is no margin to explain a longer answer)."""

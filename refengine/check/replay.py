@@ -15,10 +15,9 @@ from ..errors import RefengineError
 from ..model import Model
 from ..reference import generate
 from ..sampling import SamplingParams
-from .calibrate import tolerance
 from .comparison import compare_request, logit_deviation
 from .driver import configured, run_alone, run_batched
-from .margin_rule import Verdict, describe
+from .margin_rule import Verdict, describe, tolerance
 from .schedule import Schedule, ScheduledRequest
 
 AGAINST = {

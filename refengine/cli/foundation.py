@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import blas as blas_info
 from ..check.margins import measure_margins
 from ..engine import numerics
 from ..errors import RefengineError
@@ -28,7 +29,7 @@ def run_info(args) -> int:
         "stored dtype": ",".join(model.checkpoint.stored_dtypes), "eos ids": list(cfg.eos_token_ids),
         "fingerprint": model.fingerprint,
     }
-    blas = numerics.blas_identity()
+    blas = blas_info.blas_identity()
     rows.update({
         "blas": f"{blas['internal_api']} {blas['version']} ({blas['name']})", "blas kernel": blas["architecture"],
         "blas threads": blas["threads"],
