@@ -1,8 +1,15 @@
 """The scheduler + KV state machine, driven without a forward pass: every sampled token is id 1."""
+import hashlib
+from dataclasses import replace
+
 import pytest
 
+from refengine.check.driver import run_batched
+from refengine.check.schedule import load_schedule, parse_schedule
+from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.engine.block_manager import BlockManager
+from refengine.engine.config import SCHEDULING_POLICIES
 from refengine.engine.scheduler import Scheduler
 from refengine.engine.sequence import Sequence, SequenceStatus
 from refengine.errors import RefengineError
@@ -119,3 +126,89 @@ def test_impossible_requests_are_rejected_at_admission(tiny_model, prompt_len, m
     with pytest.raises(RefengineError, match=f"'big'.*{message}"):
         scheduler.add(new_seq(tiny_model, "big", prompt_len, max_tokens))
     assert not scheduler.has_unfinished()
+
+
+def mixed_step(tiny_model, **policy):
+    """Two decodes (a, b) and a long prompt (c) joining: c's first chunk is a partial prefill.
+    Returns the scheduler, its block manager and the third step's output."""
+    scheduler, manager = make(tiny_model, max_num_seqs=4, max_num_batched_tokens=6, block_size=4,
+                              num_blocks=30, **policy)
+    for name in "ab":
+        scheduler.add(new_seq(tiny_model, name, 2, 8))
+    run_step(scheduler, manager, 0)  # a and b prefill whole
+    run_step(scheduler, manager, 1)  # a and b decode
+    scheduler.add(new_seq(tiny_model, "c", 10, 4))
+    return scheduler, manager, run_step(scheduler, manager, 2)
+
+
+def described(output):
+    return [(c.seq.request_id, c.start, c.num_tokens, c.phase) for c in output.chunks]
+
+
+def test_each_policy_orders_the_same_chunks_of_a_mixed_step(tiny_model):
+    fcfs = described(mixed_step(tiny_model)[2])
+    assert fcfs == [("a", 3, 1, "decode"), ("b", 3, 1, "decode"), ("c", 0, 4, "prefill")]  # partial chunk last
+    prefill_first = described(mixed_step(tiny_model, scheduling_policy="prefill-first")[2])
+    assert prefill_first == [fcfs[2], fcfs[0], fcfs[1]]
+    orders = set()
+    for seed in range(8):
+        shuffled = described(mixed_step(tiny_model, scheduling_policy="shuffled", scheduling_seed=seed)[2])
+        key = [hashlib.sha256(f"{seed}:2:{chunk[0]}".encode()).digest() for chunk in fcfs]
+        assert shuffled == [chunk for _, chunk in sorted(zip(key, fcfs))]  # sha256("seed:step:id") order
+        assert shuffled == described(mixed_step(tiny_model, scheduling_policy="shuffled", scheduling_seed=seed)[2])
+        orders.add(tuple(chunk[0] for chunk in shuffled))
+    assert len(orders) > 2 and any(order[-1] != "c" for order in orders)
+
+
+@pytest.mark.parametrize("policy", SCHEDULING_POLICIES[1:])
+def test_a_policy_changes_the_order_never_the_decision(tiny_model, policy):
+    """Step for step, the same chunks, preemptions and block tables as fcfs under heavy contention."""
+    runs = [make(tiny_model, max_num_seqs=4, max_num_batched_tokens=5, block_size=2, num_blocks=9, **extra)
+            for extra in ({}, {"scheduling_policy": policy, "scheduling_seed": 3})]
+    seqs = [[new_seq(tiny_model, f"r{i}", 3 + (i * 5) % 9, 2 + i % 6) for i in range(12)] for _ in runs]
+    reordered = 0
+    for step in range(200):
+        outputs = []
+        for (scheduler, manager), mine in zip(runs, seqs):
+            if step < len(mine):
+                scheduler.add(mine[step])
+            outputs.append(run_step(scheduler, manager, step))
+        (fcfs, other) = outputs
+        assert sorted(described(other)) == sorted(described(fcfs)), step
+        assert [s.request_id for s in other.preempted] == [s.request_id for s in fcfs.preempted], step
+        reordered += described(other) != described(fcfs)
+        if step >= len(seqs[0]) and not runs[0][0].has_unfinished():
+            break
+    assert not runs[1][0].has_unfinished() and reordered > 0
+    assert [s.block_table.block_ids for s in seqs[0]] == [s.block_table.block_ids for s in seqs[1]]
+
+
+def test_join_leave_example_is_bit_identical_under_every_policy(tiny_model):
+    """The shipped example (chunked prefill, preemption, an abort, a sampled request), invariant mode."""
+    schedule = load_schedule(shipped("examples", "join_leave.json"))
+    runs = {}
+    for policy in SCHEDULING_POLICIES:
+        engine, failure = run_batched(tiny_model, schedule, replace(schedule.engine, scheduling_policy=policy,
+                                                                    scheduling_seed=1), keep_logits=False)
+        assert failure is None, failure
+        runs[policy] = engine
+    fcfs = runs["fcfs"]
+    for policy, engine in runs.items():
+        assert {rid: (o.token_ids, [s.logits_sha256 for s in o.steps], o.finish_reason)
+                for rid, o in engine.outputs().items()} == \
+               {rid: (o.token_ids, [s.logits_sha256 for s in o.steps], o.finish_reason)
+                for rid, o in fcfs.outputs().items()}, policy
+        assert [sorted(map(str, e["scheduled"])) for e in engine.trace] == \
+               [sorted(map(str, e["scheduled"])) for e in fcfs.trace], policy
+    for policy in SCHEDULING_POLICIES[1:]:  # the example does reach other orders
+        assert [e["scheduled"] for e in runs[policy].trace] != [e["scheduled"] for e in fcfs.trace], policy
+
+
+@pytest.mark.parametrize("engine, message", [
+    ({"scheduling_policy": "lifo"}, "engine.scheduling_policy: expected one of fcfs, prefill-first, shuffled"),
+    ({"scheduling_seed": -1}, "engine.scheduling_seed: must be a non-negative integer"),
+    ({"scheduling_seed": True}, "engine.scheduling_seed: must be a non-negative integer"),
+])
+def test_bad_scheduling_settings_are_refused_naming_the_field(engine, message):
+    with pytest.raises(RefengineError, match=message):
+        parse_schedule({"engine": engine, "requests": [{"id": "r0", "prompt_ids": [1]}]}, "s.json")

@@ -184,12 +184,17 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert {r["compared_by"] for r in compared} == {"token_ids"}
     assert len(requests) == 2 * len(read_golden(GOLDEN).cases)
     assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
+    assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, nothing to ask for
+        "return_token_ids": "sent", "no_done_marker": False, "streams_without_done": 0, "probe_requests": 2,
+        "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": False, "prompt_token_ids": True}
+                              for api in ("chat", "completions")}}
     assert "-> PASS" in out
 
     wait_until(lambda: get_json(url, "/admin/api/status")[1]["in_flight"] == 0, "every request to leave")
     status = get_json(url, "/admin/api/status")[1]
     assert status["running"] == status["waiting"] == status["kv_blocks_used"] == 0
-    assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == len(requests)
+    assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == \
+        len(requests) + report["dialect"]["probe_requests"]  # + one whole 1-token probe per API, before the run
     assert status["requests_aborted"] <= summary["cancelled"]  # a hang-up can come after the last token
     assert (status["max_batch_active"] > 1) == (max_num_seqs > 1)
 

@@ -83,15 +83,36 @@ def judge_text(case, got_text: str, tolerance: float) -> Verdict:
     """Align received text to the golden tokens: the first token whose settled golden text is no
     longer a prefix of `got_text` is where the answers part. Tokens that settled no text of their own
     (part of a multi-byte character, a special token) are unconfirmed until a later token shows
-    text, so the divergence may lie at any of them: the first one within tolerance explains it."""
+    text, so the divergence may lie at any of them: the first one within tolerance explains it.
+
+    At the END of the answer such tokens are never confirmed: the golden text then ends in U+FFFD
+    from the final flush of an incomplete character, which a server may hold back (vLLM, refengine
+    streams) or replace. Those trailing tokens are "unsettled": the received text may stop anywhere
+    in their golden text, or end in U+FFFD of its own there, and still match; the match notes them."""
+    n = len(case.token_ids)
+    tail = n  # the first unsettled token at the end
+    if case.text.endswith("\ufffd"):  # the last token's text is the flush: it settled none by itself
+        tail = n - 1
+        while tail > 0 and not case.piece(tail - 1):
+            tail -= 1
     unconfirmed_from = 0
-    for index, end in enumerate(case.text_offsets):
+    for index, end in enumerate(case.text_offsets[:tail]):
         if not got_text.startswith(case.text[:end]):
             window = range(unconfirmed_from, index + 1)
             near_tie = next((i for i in window if case.margins[i] <= tolerance), index)
             return _golden_divergence(case, near_tie, tolerance, got_text, None, "text")
         if case.piece(index):
             unconfirmed_from = index + 1
+    if tail < n:
+        settled = len(case.text_before(tail))
+        got_rest, golden_rest = got_text[settled:], case.text[settled:]
+        if golden_rest.startswith(got_rest.rstrip("\ufffd")):
+            return Verdict(case.id, "match", "text", tolerance=tolerance,
+                           reason=f"golden tokens {tail}-{n - 1} settled no text of their own at the end (an "
+                                  f"incomplete character): not compared by text")
+        if not got_rest.startswith(golden_rest):
+            near_tie = next((i for i in range(unconfirmed_from, n) if case.margins[i] <= tolerance), n - 1)
+            return _golden_divergence(case, near_tie, tolerance, got_text, None, "text")
     if len(got_text) > len(case.text):
         return _golden_divergence(case, len(case.token_ids), tolerance, got_text, None, "text")
     return Verdict(case.id, "match", "text", tolerance=tolerance)

@@ -9,6 +9,10 @@ from ..model import ModelConfig
 from .faults import Fault, resolve_fault
 
 MODES = ("fast", "invariant")
+# The order of a step's chunks (never which chunks: that is always the FCFS decision): "fcfs" running
+# sequences in admission order, then newly admitted ones; "prefill-first" the step's prefill chunks,
+# then its decodes (as SGLang orders them); "shuffled" a permutation drawn from (scheduling_seed, step).
+SCHEDULING_POLICIES = ("fcfs", "prefill-first", "shuffled")
 DEFAULT_POOL_TOKENS_PER_SEQ = 2048
 
 
@@ -21,11 +25,19 @@ class EngineConfig:
     num_blocks: int | None = None     # None: max_num_seqs sequences of min(max_model_len, 2048) tokens
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     fault: str | None = None          # the name of a catalogued bug to inject (refengine.engine.faults)
+    scheduling_policy: str = "fcfs"   # the order of a step's chunks (SCHEDULING_POLICIES)
+    scheduling_seed: int = 0          # "shuffled": with the step number, picks each step's permutation
     injected: Fault | None = field(default=None, init=False, repr=False, compare=False)  # `fault`, resolved
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise RefengineError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise RefengineError(f"scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)}, "
+                                 f"got {self.scheduling_policy!r}")
+        seed = self.scheduling_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise RefengineError(f"scheduling_seed: must be a non-negative integer, got {seed!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "max_model_len"):
@@ -49,4 +61,5 @@ class EngineConfig:
         return {name: getattr(self, name) for name in SETTINGS}
 
 
-SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault")
+SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault",
+            "scheduling_policy", "scheduling_seed")

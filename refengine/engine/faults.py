@@ -23,6 +23,7 @@ class Fault(Enum):
     SEED_LEAK = "seed-leak"
     KV_WRITE_BLOCK_BOUNDARY_OFF_BY_ONE = "kv-write-block-boundary-off-by-one"
     ABORT_LEAKS_BLOCKS = "abort-leaks-blocks"
+    TOP_P_EXCLUDES_CROSSING_TOKEN = "top-p-excludes-crossing-token"
 
 
 DESCRIPTIONS = {
@@ -48,6 +49,9 @@ DESCRIPTIONS = {
         "instead of its first (identical batched and alone: only the float64 reference sees it)",
     Fault.ABORT_LEAKS_BLOCKS:
         "aborting a request marks it finished but never returns its KV blocks to the pool",
+    Fault.TOP_P_EXCLUDES_CROSSING_TOKEN:
+        "the engine's nucleus stops before the token whose cumulative probability crosses top_p (identical "
+        "batched and alone, and the reference does not sample: only the sampling oracle sees it)",
 }
 FAULTS = {fault.value: DESCRIPTIONS[fault] for fault in Fault}  # name -> what the bug does
 

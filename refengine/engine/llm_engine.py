@@ -12,6 +12,7 @@
     outputs = engine.run()                       # steps until has_unfinished() is False
     outputs["r0"].token_ids, .text, .finish_reason, .steps[i].logits_sha256, .ttft_steps, ...
     engine.trace, engine.metrics, engine.status(), engine.check_invariants(), engine.release("r0")
+    engine.choose_token(row, params, token_index)  # the token the engine draws from one logits row
 
 Defaults: num_blocks=None -> enough for max_num_seqs sequences of min(max_model_len, 2048) tokens;
 max_model_len=None -> the model's max_position_embeddings. Serial operation is max_num_seqs=1.
@@ -65,6 +66,7 @@ class LLMEngine:
         self._finished_last_step = False  # for Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE
         self._misassign_after_leave = self.config.injected is Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE
         self._leak_seed = self.config.injected is Fault.SEED_LEAK
+        self._cut_crossing_token = self.config.injected is Fault.TOP_P_EXCLUDES_CROSSING_TOKEN
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
@@ -129,7 +131,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None) -> TokenEvent:
         params = seq.params
         drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
-        token = sample_token(logits, drawn, len(seq.output_ids))
+        token = self.choose_token(logits, drawn, len(seq.output_ids))
         logprob, alternatives = token_logprobs(logits, token, params.logprobs) if params.logprobs > 0 else (None, [])
         record = StepRecord(token, top2_margin(logits), alternatives, logprob, step,
                             hashlib.sha256(logits.tobytes()).hexdigest(), logits.copy() if self.keep_logits else None)
@@ -140,6 +142,12 @@ class LLMEngine:
             self.scheduler.finish(seq, reason, step)
         return TokenEvent(seq.request_id, step, token, record.top2_margin, record.logits_sha256,
                           seq.take_text_delta(), reason, record.top_logprobs, record.logprob)
+
+    def choose_token(self, logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
+        """The token the engine draws from one logits row for generated token `token_index`."""
+        if self._cut_crossing_token and not params.greedy and params.top_p < 1:
+            logits, params = _nucleus_without_crossing_token(logits, params)
+        return sample_token(logits, params, token_index)
 
     def _record(self, step: int, output: SchedulerOutput, aborted: list[str], kv_blocks_used: int,
                 seconds: float) -> None:
@@ -193,3 +201,15 @@ class LLMEngine:
         for seq in self.scheduler.running:
             assert seq.status is SequenceStatus.RUNNING, seq
             assert len(seq.block_table) == self.block_manager.blocks_for(seq.num_computed_tokens), seq
+
+
+def _nucleus_without_crossing_token(logits: np.ndarray, params: SamplingParams):
+    """Fault.TOP_P_EXCLUDES_CROSSING_TOKEN: the row masked to a nucleus cut one token short (the
+    classic off-by-one: `searchsorted(cumsum, top_p)` without the + 1), to be sampled as is."""
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.lexsort((np.arange(len(scaled)), -scaled))[:params.top_k or None]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    keep = order[:max(1, int(np.searchsorted(np.cumsum(probs / probs.sum()), params.top_p)))]
+    masked = np.full_like(logits, -np.inf)
+    masked[keep] = logits[keep]
+    return masked, replace(params, top_k=0, top_p=1.0)

@@ -6,9 +6,16 @@ waiting sequences are admitted in arrival order while seats, budget and KV block
 running sequence cannot get blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to recompute prompt + generated
 tokens when readmitted. The oldest running sequence therefore always progresses, so nothing starves.
+
+Which chunks a step runs is always that decision; `scheduling_policy` only orders them (how the
+step's rows are laid out for the runner, which must give the same outputs in any order): "fcfs" as
+decided (running first, a partial prefill chunk last), "prefill-first" the prefill chunks and then
+the decodes, each in that order, "shuffled" sorted by sha256("seed:step:request id"), a permutation
+that only the schedule's settings, the step number and the request ids determine.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -52,6 +59,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.fault = config.injected
+        self.policy, self.seed = config.scheduling_policy, config.scheduling_seed
+        self.num_steps = 0  # schedule() calls so far: the engine's step number
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,7 +113,17 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(self._allocate(seq, num_tokens))
             budget -= num_tokens
-        return SchedulerOutput(chunks, preempted)
+        step, self.num_steps = self.num_steps, self.num_steps + 1
+        return SchedulerOutput(self.ordered(chunks, step), preempted)
+
+    def ordered(self, chunks: list[ScheduledChunk], step: int) -> list[ScheduledChunk]:
+        """The step's chunks in the policy's order (the FCFS decision itself is `chunks`)."""
+        if self.policy == "prefill-first":
+            return sorted(chunks, key=lambda c: c.phase != "prefill")  # stable: FCFS order within each phase
+        if self.policy == "shuffled":
+            salt = f"{self.seed}:{step}:"
+            return sorted(chunks, key=lambda c: hashlib.sha256((salt + c.seq.request_id).encode()).digest())
+        return chunks
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""

@@ -50,6 +50,7 @@ class EngineThread(threading.Thread):
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._counters = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0,
+                          "requests_finished_stop": 0, "requests_finished_length": 0,  # finished, by reason
                           "requests_rejected_busy": 0, "max_batch_active": 0,
                           "slot_waiters": 0}
         self._snapshot: dict = {}
@@ -174,6 +175,8 @@ class EngineThread(threading.Thread):
                 self.engine.release(event.request_id)
                 self._slots.release()
                 self._count("requests_aborted" if event.finish_reason == "abort" else "requests_finished", +1)
+                if event.finish_reason in ("stop", "length"):
+                    self._count(f"requests_finished_{event.finish_reason}", +1)
 
     def _publish(self) -> None:
         status = self.engine.status()

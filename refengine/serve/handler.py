@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from ..engine import TokenEvent
 from ..errors import RefengineError
+from . import metrics
 from .engine_thread import EngineStopped, Overloaded, RequestStream
 from .protocol import (
     ApiError,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_SECONDS = 0.2
 LINGER_BYTES = 16 << 20  # after refusing an oversize body, read this much of it so the client sees the reply
-ENDPOINTS = ("/health", "/v1/models", "/admin/api/status", "/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/health", "/v1/models", "/admin/api/status", "/metrics", "/v1/completions", "/v1/chat/completions")
 
 
 class ClientGone(Exception):
@@ -46,7 +47,8 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
-        self._route({"/health": self._health, "/v1/models": self._models, "/admin/api/status": self._status})
+        self._route({"/health": self._health, "/v1/models": self._models, "/admin/api/status": self._status,
+                     "/metrics": self._metrics})
 
     def do_POST(self):
         self._route({"/v1/completions": lambda: self._generate("completion"),
@@ -92,12 +94,22 @@ class Handler(BaseHTTPRequestHandler):
             "fingerprint": s.fingerprint}]})
 
     def _status(self) -> None:
+        self._send_json(200, self._status_dict())
+
+    def _metrics(self) -> None:
+        data = metrics.render(self._status_dict()).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", metrics.CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _status_dict(self) -> dict:
         s = self.server
         config = s.engine.config
-        self._send_json(200, {**s.engine_thread.status(), "model": s.served_name, "fingerprint": s.fingerprint,
-                              "mode": config.mode, "max_num_seqs": config.max_num_seqs,
-                              "max_waiting": s.engine_thread.max_waiting,
-                              "queue_timeout": s.engine_thread.queue_timeout})
+        return {**s.engine_thread.status(), "model": s.served_name, "fingerprint": s.fingerprint,
+                "mode": config.mode, "max_num_seqs": config.max_num_seqs,
+                "max_waiting": s.engine_thread.max_waiting, "queue_timeout": s.engine_thread.queue_timeout}
 
     # --- POST ------------------------------------------------------------------------------
     def _read_json(self):

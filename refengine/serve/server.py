@@ -2,7 +2,7 @@
 running serve.handler.Handler) in front of one EngineThread. Standard library only.
 
 POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health,
-GET /admin/api/status. Every failure is a JSON `{"error": {message, type, param, code}}`.
+GET /admin/api/status, GET /metrics. Every failure is a JSON `{"error": {message, type, param, code}}`.
 """
 from __future__ import annotations
 

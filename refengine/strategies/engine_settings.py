@@ -5,6 +5,11 @@
   tiny budgets (1-16) force chunked prefill and starve decodes of a seat.
 - `block_size` 1-32, mostly small: 1 puts every token in its own block, 32 holds most sequences in one.
 - `max_model_len` is fixed at MAX_MODEL_LEN, well above any generated request.
+- `scheduling_policy`: the order of a step's chunks, shrinking towards "fcfs" (running first, a
+  partial prefill chunk last); "prefill-first" (prefill chunks, a partial one included, before decodes)
+  and "shuffled" (any permutation, by `scheduling_seed`), so every row order reaches the runner.
+  The seed is drawn whatever the policy (a fixed number of draws, so shrinking the policy to "fcfs"
+  moves no other draw) and written only with "shuffled".
 Under pressure (burst schedules) several sequences run at once on small blocks: max_num_seqs >= 2,
 budget >= 8, block_size <= 8, so growing sequences cross block boundaries and exhaust a tight pool.
 Seats and budget shrink towards the roomiest engine (8 seats, 64 tokens), so a shrunk schedule
@@ -14,8 +19,11 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from ..engine.config import SCHEDULING_POLICIES
+
 MAX_MODEL_LEN = 128
 MODES = ("invariant", "fast")
+MAX_SCHEDULING_SEED = 2**16 - 1
 
 
 def roomiest_first(low: int, high: int) -> st.SearchStrategy[int]:
@@ -31,5 +39,15 @@ def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> di
         seqs = roomiest_first(1, 8)
         budget = st.one_of(st.just(64), roomiest_first(8, 32), roomiest_first(1, 16))
         block = st.one_of(st.integers(1, 8), st.integers(1, 4), st.sampled_from([16, 32]))
-    return {"mode": mode, "max_num_seqs": draw(seqs), "max_num_batched_tokens": draw(budget),
-            "block_size": draw(block), "max_model_len": MAX_MODEL_LEN}
+    settings = {"mode": mode, "max_num_seqs": draw(seqs), "max_num_batched_tokens": draw(budget),
+                "block_size": draw(block), "max_model_len": MAX_MODEL_LEN}
+    policy, seed = draw(scheduling_policies())
+    settings["scheduling_policy"] = policy
+    if policy == "shuffled":
+        settings["scheduling_seed"] = seed
+    return settings
+
+
+def scheduling_policies() -> st.SearchStrategy[tuple[str, int]]:
+    """(policy, seed): SCHEDULING_POLICIES, "fcfs" first, and a seed (used by "shuffled" only)."""
+    return st.tuples(st.sampled_from(SCHEDULING_POLICIES), st.integers(0, MAX_SCHEDULING_SEED))

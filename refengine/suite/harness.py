@@ -31,7 +31,8 @@ from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
 
 REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
 MEMO_SIZE = 2048
-COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill")
+COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill",
+            "prefill before a decode", "partial prefill not last")
 
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
@@ -106,8 +107,13 @@ def coverage(schedule: dict, trace: list[dict]) -> set[str]:
             seen.add("preemption")
         if entry["aborted"]:
             seen.add("abort")
-        if any(c["phase"] == "prefill" and c["num_tokens"] < prompt_len[c["id"]] for c in entry["scheduled"]):
+        chunks = entry["scheduled"]
+        if any(c["phase"] == "prefill" and c["num_tokens"] < prompt_len[c["id"]] for c in chunks):
             seen.add("chunked prefill")
+        if any(a["phase"] == "prefill" and b["phase"] == "decode" for a, b in zip(chunks, chunks[1:])):
+            seen.add("prefill before a decode")  # scheduling orders other than fcfs reach the runner
+        if any(c["phase"] == "prefill" and c["num_tokens"] < prompt_len[c["id"]] for c in chunks[:-1]):
+            seen.add("partial prefill not last")
     return seen
 
 

@@ -1,12 +1,14 @@
 """Property 5: the scheduler and the KV cache as a state machine (the one test that reads internals).
 
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
-engine, on tiny pools, budgets and block sizes.
+engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
+chunks: fcfs, prefill-first, shuffled).
 After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
 aborted requests hold no block); no two live sequences share a block; each running sequence holds
 exactly the blocks its computed tokens need; a step never exceeds max_num_batched_tokens or
-max_num_seqs; a step with work to do schedules something. At the end every request finishes and
-every block is free. A failure writes the rules so far as a schedule (arrival and abort steps) to
+max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
+follows a decode. At the end every request finishes and every block is free. A failure writes the
+rules so far as a schedule (arrival and abort steps) to
 $REFENGINE_REPRO_DIR/scheduler-kv-state-machine.json, which `refengine replay` re-runs.
 """
 import pytest
@@ -23,6 +25,7 @@ from ..check.driver import STEP_ALLOWANCE
 from ..engine import EngineConfig, LLMEngine
 from ..sampling import SamplingParams
 from ..strategies import MAX_PROMPT_LEN, MAX_TOKENS, tiny_model
+from ..strategies.engine_settings import scheduling_policies
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE
 from .harness import fail, observe
 
@@ -34,10 +37,12 @@ class SchedulerKVMachine(RuleBasedStateMachine):
     fault: str | None = None  # the fault-catalog test runs a subclass with a fault switched on
 
     @initialize(max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), block_size=st.integers(1, 8),
-                num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), data=st.data())
-    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, data):
+                num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), policy=scheduling_policies(),
+                data=st.data())
+    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, policy, data):
         settings = {"mode": "fast", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
-                    "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128}
+                    "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128,
+                    "scheduling_policy": policy[0], "scheduling_seed": policy[1]}
         self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
         self.schedule = {"engine": settings, "requests": []}
         self.capacity = num_blocks * block_size
@@ -86,6 +91,9 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.check(bool(entry["scheduled"]) or not status["running"] + status["waiting"],
                    f"step {entry['step']} scheduled nothing with {status['running']} running and "
                    f"{status['waiting']} waiting: no progress")
+        phases = [c["phase"] for c in entry["scheduled"]]
+        self.check(config.scheduling_policy != "prefill-first" or phases == sorted(phases, reverse=True),
+                   f"step {entry['step']} ran its chunks as {phases} under prefill-first")
 
     @invariant()
     def kv_accounting_adds_up(self):

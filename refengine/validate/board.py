@@ -13,10 +13,13 @@ from ..check.golden import Golden, GoldenCase
 from ..check.margin_rule import Verdict, describe, judge_ids, judge_text
 from ..errors import RefengineError
 from .client import Completion, Endpoint, ServerError
+from .dialect import PATHS, Dialect, dialect_notes, probe, send
+from .drain import server_state, wait_drained
 
 APIS = ("auto", "completions", "chat")
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+__all__ = ["PATHS", "Planned", "Settings", "plan", "replay", "validate"]
 VERDICTS = ("match", "explained", "diverged", "cancelled", "error")
+DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long a server may take to drain
 
 
 @dataclass(frozen=True)
@@ -101,19 +104,22 @@ def prompt_mismatch(case: GoldenCase, completion: Completion) -> str | None:
             f"({len(got)} vs {len(case.prompt_ids)} ids): different tokenizer or chat template")
 
 
-def replay_one(endpoint: Endpoint, p: Planned, served_model: str, tolerance: float, start: float) -> dict:
+def replay_one(endpoint: Endpoint, p: Planned, served_model: str, tolerance: float, start: float,
+               dialect: Dialect) -> dict:
     time.sleep(max(0.0, start + p.arrival_s - time.monotonic()))  # wait for this request's arrival time
     sent = time.monotonic()
     entry = {"id": p.id, "case": p.case.id, "api": p.api, "streamed": p.stream, "arrival_s": p.arrival_s,
              "sent_s": round(sent - start, 3)}
     try:
-        completion = endpoint.complete(PATHS[p.api], request_body(p, served_model), p.cancel_after)
+        completion = send(endpoint, p.api, request_body(p, served_model), p.cancel_after, dialect)
     except (ServerError, OSError) as e:
         return {**entry, "latency_s": round(time.monotonic() - sent, 3), "cancelled": False, "verdict": "error",
                 "error": str(e) or type(e).__name__}
     entry |= {"latency_s": round(time.monotonic() - sent, 3), "cancelled": completion.cancelled,
               "tokens": len(completion.token_ids) if completion.token_ids is not None else None,
               "finish_reason": completion.finish_reason, "token_ids": completion.token_ids, "text": completion.text}
+    if completion.note:
+        entry["note"] = completion.note
     if completion.cancelled:
         return {**entry, "verdict": "cancelled"}
     mismatch = prompt_mismatch(p.case, completion)
@@ -131,8 +137,8 @@ def replay_one(endpoint: Endpoint, p: Planned, served_model: str, tolerance: flo
 
 def record_fields(v: Verdict) -> dict:
     """A verdict as the validation report's request fields (FORMATS.md): `step` is the generated-token index."""
-    if v.kind == "match":
-        return {"verdict": "match", "compared_by": v.compared_by}
+    if v.kind == "match":  # a text match may note golden tokens left unsettled at the end (judge_text)
+        return {"verdict": "match", "compared_by": v.compared_by, **({"note": v.reason} if v.reason else {})}
     return {"verdict": v.kind, "compared_by": v.compared_by, "step": v.index, "margin": v.margin,
             "expected": v.want, "got": v.got, "expected_text": v.want_text, "got_text": v.got_text}
 
@@ -146,12 +152,23 @@ def served_model(endpoint: Endpoint) -> dict:
 
 
 def replay(endpoint: Endpoint, planned: list[Planned], served_name: str, tolerance: float,
-           concurrency: int) -> list[dict]:
+           concurrency: int, dialect: Dialect | None = None) -> list[dict]:
     """Send every planned request at its arrival time (measured from now), at most `concurrency` in
-    flight; their report records, in plan order."""
+    flight; their report records, in plan order. `dialect`: what a probe learned (default: ids from
+    the answer's own fields, no logprobs)."""
+    dialect = dialect or Dialect()
     start = time.monotonic()
     with ThreadPoolExecutor(concurrency, thread_name_prefix="validate") as pool:
-        return list(pool.map(lambda p: replay_one(endpoint, p, served_name, tolerance, start), planned))
+        return list(pool.map(lambda p: replay_one(endpoint, p, served_name, tolerance, start, dialect), planned))
+
+
+def probe_bodies(planned: list[Planned], served_name: str) -> dict[str, dict]:
+    """Per API in the plan, the request body of its case with the shortest prompt (the dialect probe)."""
+    shortest = {}
+    for p in planned:
+        if p.api not in shortest or len(p.case.prompt_ids) < len(shortest[p.api].case.prompt_ids):
+            shortest[p.api] = p
+    return {api: request_body(p, served_name) for api, p in sorted(shortest.items())}
 
 
 def validate(url: str, golden: Golden, settings: Settings) -> dict:
@@ -159,9 +176,20 @@ def validate(url: str, golden: Golden, settings: Settings) -> dict:
     endpoint = Endpoint(url, settings.timeout)
     served = served_model(endpoint)
     tolerance = golden.tolerance if settings.margin_tolerance is None else settings.margin_tolerance
+    planned, dialect = plan(golden, settings), Dialect()
+    probe(endpoint, probe_bodies(planned, served["id"]), dialect)
+    try:
+        baseline = server_state(endpoint)  # None: the server exposes no status
+    except (OSError, ServerError):
+        baseline = None
     start = time.monotonic()
-    requests = replay(endpoint, plan(golden, settings), served["id"], tolerance, settings.concurrency)
+    requests = replay(endpoint, planned, served["id"], tolerance, settings.concurrency, dialect)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
+    wall_s = round(time.monotonic() - start, 3)
+    drained, state, note = wait_drained(endpoint, baseline, DRAIN_DEADLINE_S, DRAIN_POLL_S)
+    drain = {"checked": state is not None, "drained": drained, "note": note,
+             **({"source": state.source, "running": state.running, "waiting": state.waiting,
+                 "kv_usage": state.kv_usage} if state is not None else {})}
     return {
         "validate": 1, "url": url, "golden": str(golden.path), "model_fingerprint": golden.fingerprint,
         "server": {"model": served["id"], "fingerprint": served.get("fingerprint")},
@@ -169,9 +197,11 @@ def validate(url: str, golden: Golden, settings: Settings) -> dict:
                      "tolerance": tolerance,
                      "tolerance_from": "golden noise" if settings.margin_tolerance is None else "margin_tolerance",
                      "api": settings.api, "arrival_spread_s": settings.arrival_spread, "repeat": settings.repeat},
+        "dialect": dialect.report(),
         "requests": requests,
-        "summary": {"requests": len(requests), **counts, "wall_s": round(time.monotonic() - start, 3),
-                    "passed": counts["diverged"] == counts["error"] == 0},
+        "drain": drain,
+        "summary": {"requests": len(requests), **counts, "wall_s": wall_s,
+                    "passed": counts["diverged"] == counts["error"] == 0 and (drained or not drain["checked"])},
     }
 
 
@@ -211,6 +241,10 @@ def format_report(report: dict) -> str:
     if server_fingerprint and server_fingerprint != report["model_fingerprint"]:
         lines.append(f"note: the server reports model {server_fingerprint}, the golden file was made from "
                      f"{report['model_fingerprint']} (expected for a converted or quantized model)")
+    lines += dialect_notes(report.get("dialect"))
+    if "drain" in report:
+        lines.append(f"drain: {report['drain']['note']}")
     lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS)
                  + (" -> PASS" if summary["passed"] else " -> FAIL"))
     return "\n".join(lines)
+

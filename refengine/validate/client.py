@@ -7,23 +7,20 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..errors import RefengineError
+from .wire import Completion, Stream, whole
+
+__all__ = ["Completion", "Endpoint", "ServerError"]
 
 
 class ServerError(Exception):
     """The server answered with an error, or broke the response off."""
 
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: list[int] | None         # None: the server does not report generated ids
-    prompt_token_ids: list[int] | None  # None: not reported
-    finish_reason: str | None
-    cancelled: bool                     # we hung up before the answer was complete
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status of a refusal; None: broken or malformed response
 
 
 class Endpoint:
@@ -77,29 +74,21 @@ def _json_body(resp: http.client.HTTPResponse, path: str) -> dict:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ServerError(f"{path}: HTTP {resp.status}, body is not JSON: {raw[:120]!r}") from None
+        raise ServerError(f"{path}: HTTP {resp.status}, body is not JSON: {raw[:120]!r}", resp.status) from None
     if resp.status != 200:
         error = data.get("error") if isinstance(data, dict) else None
         message = error.get("message") if isinstance(error, dict) else data
-        raise ServerError(f"{path}: HTTP {resp.status}: {message}")
+        raise ServerError(f"{path}: HTTP {resp.status}: {message}", resp.status)
     if not isinstance(data, dict):
         raise ServerError(f"{path}: expected a JSON object, got {raw[:120]!r}")
     return data
 
 
-def _choice_text(choice: dict) -> str:
-    if "text" in choice:
-        return choice["text"] or ""
-    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
-
-
 def _whole(data: dict) -> Completion:
     try:
-        choice = data["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise ServerError(f"response without choices: {str(data)[:120]}") from None
-    return Completion(_choice_text(choice), choice.get("token_ids"), choice.get("prompt_token_ids"),
-                      choice.get("finish_reason"), cancelled=False)
+        return whole(data)
+    except ValueError as e:
+        raise ServerError(str(e)) from None
 
 
 def _events(resp: http.client.HTTPResponse):
@@ -117,25 +106,25 @@ def _events(resp: http.client.HTTPResponse):
 
 
 def _streamed(resp: http.client.HTTPResponse, cancel_after: int | None, sock: socket.socket) -> Completion:
-    pieces, ids, prompt_ids, finish_reason, chunks, ids_reported = [], [], None, None, 0, True
+    """A stream is complete at `data: [DONE]`, or when the server closes it after a chunk carrying a
+    finish_reason (HF `transformers serve` sends no [DONE]); closed before any finish_reason, it is broken."""
+    stream = Stream()
     for payload in _events(resp):
         if payload == "[DONE]":
-            return Completion("".join(pieces), ids if ids_reported else None, prompt_ids, finish_reason, False)
+            return stream.completion(cancelled=False, done_marker=True)
         try:
             chunk = json.loads(payload)
         except json.JSONDecodeError:
             raise ServerError(f"stream: data is not JSON: {payload[:200]!r}") from None
-        if "error" in chunk:
+        if not isinstance(chunk, dict):
+            raise ServerError(f"stream: expected a JSON object, got {payload[:200]!r}")
+        if chunk.get("error"):
             raise ServerError(f"stream: error event: {chunk['error']}")
-        for choice in chunk.get("choices") or ():
-            text, chunk_ids = _choice_text(choice), choice.get("token_ids")
-            pieces.append(text)
-            ids_reported = ids_reported and chunk_ids is not None
-            ids += chunk_ids or []
-            prompt_ids = prompt_ids or choice.get("prompt_token_ids")
-            finish_reason = choice.get("finish_reason") or finish_reason
-            chunks += bool(text or chunk_ids)
-        if cancel_after is not None and chunks >= cancel_after and finish_reason is None:
+        stream.add(chunk)
+        if cancel_after is not None and stream.chunks >= cancel_after and stream.finish_reason is None:
             sock.shutdown(socket.SHUT_RDWR)  # the server sees the hang-up at once, not at the next write
-            return Completion("".join(pieces), ids if ids_reported else None, prompt_ids, None, True)
-    raise ServerError("stream: ended without data: [DONE]")
+            return stream.completion(cancelled=True, done_marker=None)
+    if stream.finish_reason is None:
+        raise ServerError(f"stream: closed after {stream.chunks} token chunks without a finish_reason "
+                          f"(and without data: [DONE])")
+    return stream.completion(cancelled=False, done_marker=False)

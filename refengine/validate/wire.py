@@ -1,0 +1,142 @@
+"""Where OpenAI-compatible servers put what validate reads — text, generated token ids, prompt ids,
+finish reason — in whole answers and in stream chunks. Servers differ (the dialect table in README
+"Board validation"); every place one of them uses is read, and unknown fields are ignored.
+
+Generated ids, first found wins per choice: `choices[i].token_ids` (refengine; vLLM with
+`return_token_ids`), `choices[i].logprobs.content[].id` / `.token_id` (llama.cpp; refengine's chat
+logprobs), a list of ints in `choices[i].tokens` or the object's `tokens` (llama.cpp's own format).
+Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the object's
+`prompt_token_ids` (vLLM chat).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IDS_FIELDS = ("token_ids", "logprobs", "tokens")  # where generated ids were found (Completion.ids_from)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int] | None         # None: the server does not report generated ids
+    prompt_token_ids: list[int] | None  # None: not reported
+    finish_reason: str | None
+    cancelled: bool                     # we hung up before the answer was complete
+    ids_from: str | None = None         # one of IDS_FIELDS, None when no ids
+    done_marker: bool | None = None     # streamed: whether `data: [DONE]` ended it; None: not streamed
+    note: str | None = None             # why ids were set aside, when they were
+
+
+def _ints(value) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return value
+    return None
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def choice_text(choice: dict) -> str:
+    text = choice.get("text")
+    if isinstance(text, str):
+        return text
+    content = (_dict(choice.get("message")) or _dict(choice.get("delta"))).get("content")
+    return content if isinstance(content, str) else ""
+
+
+def logprob_ids(choice: dict) -> list[int] | None:
+    content = _dict(choice.get("logprobs")).get("content")
+    if not isinstance(content, list) or not content:
+        return None
+    ids = [_dict(entry).get("id", _dict(entry).get("token_id")) for entry in content]
+    return _ints(ids)
+
+
+def generated_ids(choice: dict, obj: dict) -> tuple[list[int] | None, str | None]:
+    ids = _ints(choice.get("token_ids"))
+    if ids is not None:
+        return ids, "token_ids"
+    ids = logprob_ids(choice)
+    if ids is not None:
+        return ids, "logprobs"
+    for holder in (choice, obj):
+        ids = _ints(holder.get("tokens"))
+        if ids:  # llama.cpp sends an empty `tokens` when ids were not asked for
+            return ids, "tokens"
+    return None, None
+
+
+def prompt_ids(choice: dict, obj: dict) -> list[int] | None:
+    ids = _ints(choice.get("prompt_token_ids"))
+    return ids if ids is not None else _ints(obj.get("prompt_token_ids"))
+
+
+def usage_tokens(obj: dict) -> int | None:
+    count = _dict(obj.get("usage")).get("completion_tokens")
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def checked(ids: list[int] | None, ids_from: str | None, usage: int | None) -> tuple[list[int] | None, str | None]:
+    """Ids taken from logprobs entries are set aside when their count differs from the server's own
+    token count (llama.cpp streams no logprobs for a token that completed no character)."""
+    if ids is not None and ids_from == "logprobs" and usage is not None and usage != len(ids):
+        return None, f"{len(ids)} ids in logprobs but usage.completion_tokens {usage}: compared by text"
+    return ids, None
+
+
+def whole(data: dict) -> Completion:
+    """A whole (non-streamed) answer. No choices: ValueError."""
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError(f"response without choices: {str(data)[:120]}")
+    choice = choices[0]
+    ids, ids_from = generated_ids(choice, data)
+    ids, note = checked(ids, ids_from, usage_tokens(data))
+    finish = choice.get("finish_reason")
+    return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
+                      cancelled=False, ids_from=ids_from if ids is not None else None, note=note)
+
+
+class Stream:
+    """A streamed answer as its chunks arrive. Ids count as reported when some chunk carried them and
+    no chunk carried text without them."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+        self.ids: list[int] = []
+        self.ids_from: str | None = None
+        self.text_without_ids = False
+        self.prompt_ids: list[int] | None = None
+        self.finish_reason: str | None = None
+        self.usage: int | None = None
+        self.chunks = 0  # chunks that carried tokens (text or ids)
+
+    def add(self, chunk: dict) -> None:
+        self.usage = usage_tokens(chunk) if usage_tokens(chunk) is not None else self.usage
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            text = choice_text(choice)
+            ids, ids_from = generated_ids(choice, chunk)
+            self.pieces.append(text)
+            if ids is not None:
+                self.ids += ids
+                self.ids_from = self.ids_from or ids_from
+            elif text:
+                self.text_without_ids = True
+            if self.prompt_ids is None:
+                self.prompt_ids = prompt_ids(choice, chunk)
+            finish = choice.get("finish_reason")
+            self.finish_reason = finish if isinstance(finish, str) and finish else self.finish_reason
+            self.chunks += bool(text or ids)
+        if self.prompt_ids is None and not choices:
+            self.prompt_ids = _ints(chunk.get("prompt_token_ids"))
+
+    def completion(self, cancelled: bool, done_marker: bool | None) -> Completion:
+        reported = self.ids_from is not None and not self.text_without_ids
+        ids, note = checked(self.ids if reported else None, self.ids_from, None if cancelled else self.usage)
+        return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
+                          cancelled, ids_from=self.ids_from if ids is not None else None,
+                          done_marker=done_marker, note=note)

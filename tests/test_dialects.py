@@ -1,0 +1,243 @@
+"""`refengine validate` against servers that speak other dialects than refengine's own: a real HTTP
+server (stdlib http.server on 127.0.0.1, in a thread) answers from the shipped golden file the way
+vLLM, llama.cpp and HF `transformers serve` do — ids in other places or none at all, no [DONE], a
+trailing incomplete character held back — and validate must judge every answer, not the dialect."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from refengine.check.golden import read_golden
+from refengine.check.margin_rule import judge_text
+from refengine.cli import main
+from refengine.data import shipped
+from refengine.validate.board import Settings, validate
+
+GOLDEN = shipped("golden", "tiny-default.jsonl")
+HF_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream"}  # what HF serve accepts here
+EXTRA = {"system_fingerprint": "fp-1", "service_tier": None, "kv_transfer_params": {"x": [1]}}  # unknown fields
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return read_golden(GOLDEN)
+
+
+def unsettled_from(case) -> int:
+    """The first of the golden tokens at the end whose text is only the flush of an incomplete character."""
+    tail = len(case.token_ids)
+    if case.text.endswith("\ufffd"):
+        tail -= 1
+        while tail and not case.piece(tail - 1):
+            tail -= 1
+    return tail
+
+
+class Answer:
+    """A golden case cut to the request's max_tokens: ids, the text piece each token shows, finish reason."""
+
+    def __init__(self, case, max_tokens: int, hold_back: bool):
+        n = min(max_tokens, len(case.token_ids))
+        self.ids = case.token_ids[:n]
+        self.pieces = [case.piece(i) for i in range(n)]
+        if hold_back and n == len(case.token_ids) and unsettled_from(case) < n:
+            self.pieces[-1] = ""  # the incomplete character at the end is never sent
+        self.finish = case.finish_reason if n == len(case.token_ids) else "length"
+        self.prompt_ids = case.prompt_ids
+
+
+def dialect_server(golden, dialect: str):
+    """A ThreadingHTTPServer answering /v1/models and both completion APIs in `dialect`."""
+    cases = golden.cases
+
+    def find(api, body):
+        for case in cases:
+            if api == "chat" and case.messages == body.get("messages"):
+                return case
+            if api == "completions" and body.get("prompt") in (case.prompt, case.prompt_ids):
+                return case
+        raise LookupError(body)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status: int, obj: dict):
+            raw = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self.reply(200, {"object": "list", "data": [{"id": f"{dialect}-model", "object": "model", **EXTRA}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            api = "chat" if self.path.endswith("/chat/completions") else "completions"
+            if dialect == "hf":  # transformers serve refuses what it does not know, by name
+                unexpected = set(body) - HF_KEYS - {"logprobs", "top_logprobs", "stream_options"}
+                unused = set(body) & {"logprobs", "top_logprobs", "stream_options"}
+                if unexpected or unused:
+                    what = "Unexpected keys" if unexpected else "Unsupported fields"
+                    return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
+            answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"))
+            logprobs = body.get("logprobs") and (api == "completions" or body.get("top_logprobs"))
+            if body.get("stream"):
+                return self.stream(api, body, answer, bool(logprobs))
+            choice = {"index": 0, "finish_reason": answer.finish, "logprobs": None, **EXTRA}
+            text = "".join(answer.pieces)
+            choice |= {"message": {"role": "assistant", "content": text}} if api == "chat" else {"text": text}
+            top = {"id": "x", "object": "chat.completion", "model": "m", "choices": [choice],
+                   "usage": {"completion_tokens": len(answer.ids)}}
+            self.add_ids(api, body, choice, top, answer.ids, bool(logprobs), answer, first=True)
+            self.reply(200, top)
+
+        def add_ids(self, api, body, choice, top, ids, logprobs, answer, first):
+            if dialect == "vllm" and body.get("return_token_ids"):
+                choice["token_ids"] = ids
+                if first:
+                    (top if api == "chat" else choice)["prompt_token_ids"] = answer.prompt_ids
+            if dialect == "llamacpp" and logprobs and ids:
+                choice["logprobs"] = {"content": [{"id": i, "token": "?", "logprob": -0.1, "bytes": [],
+                                                   "top_logprobs": []} for i in ids]}
+
+        def stream(self, api, body, answer, logprobs):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+            try:
+                for i, (token, piece) in enumerate(zip(answer.ids, answer.pieces)):
+                    if dialect == "broken" and i == 2:
+                        return  # closes mid-answer: no finish_reason, no [DONE]
+                    last = i == len(answer.ids) - 1
+                    choice = {"index": 0, "finish_reason": answer.finish if last and dialect != "llamacpp" else None}
+                    choice |= {"delta": {"content": piece}} if api == "chat" else {"text": piece}
+                    chunk = {"id": "x", "object": "chunk", "choices": [choice], **EXTRA}
+                    self.add_ids(api, body, choice, chunk, [token], logprobs, answer, first=i == 0)
+                    self.send_event(chunk)
+                if dialect == "llamacpp":  # the finish_reason comes alone, in an empty delta
+                    self.send_event({"choices": [{"index": 0, "finish_reason": answer.finish, "delta": {}}]})
+                    if body.get("stream_options", {}).get("include_usage"):
+                        self.send_event({"choices": [], "usage": {"completion_tokens": len(answer.ids)}})
+                if dialect != "hf":  # HF serve ends the stream after the finish_reason chunk
+                    self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client hung up mid-stream
+
+        def send_event(self, obj):
+            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+            self.wfile.flush()
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+@pytest.fixture
+def serve(golden):
+    servers = []
+
+    def start(dialect: str) -> str:
+        server = dialect_server(golden, dialect)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def run(url, golden, cancel_rate=0.0, seed=2):
+    return validate(url, golden, Settings(concurrency=4, seed=seed, cancel_rate=cancel_rate, arrival_spread=0.2,
+                                          timeout=30))
+
+
+def compared(report):
+    return [r for r in report["requests"] if r["verdict"] not in ("cancelled",)]
+
+
+@pytest.mark.parametrize("dialect, compared_by", [("vllm", "token_ids"), ("llamacpp", "token_ids"),
+                                                  ("hf", "text"), ("held-back", "text")])
+def test_every_answer_matches_whatever_the_dialect(serve, golden, dialect, compared_by):
+    report = run(serve(dialect), golden, cancel_rate=0.2)
+    records = compared(report)
+    assert report["summary"]["passed"], [r for r in records if r["verdict"] != "match"]
+    assert {r["verdict"] for r in records} == {"match"}
+    assert {r["compared_by"] for r in records} == {compared_by}
+    assert {r["streamed"] for r in records} == {True, False}
+    assert report["summary"]["cancelled"] > 0
+
+
+def test_vllm_ids_come_with_return_token_ids_and_prompt_ids_are_checked(serve, golden):
+    report = run(serve("vllm"), golden)
+    d = report["dialect"]
+    assert d["return_token_ids"] == "sent" and d["probe_requests"] == 2 and not d["no_done_marker"]
+    assert d["apis"] == {api: {"token_ids_from": "token_ids", "logprobs_requested": False, "prompt_token_ids": True}
+                         for api in ("chat", "completions")}
+    assert all(r["token_ids"] == next(c for c in golden.cases if c.id == r["case"]).token_ids
+               for r in report["requests"])
+
+
+def test_llamacpp_ids_are_read_from_the_logprobs_asked_for_only_there(serve, golden):
+    report = run(serve("llamacpp"), golden)
+    d = report["dialect"]
+    assert d["probe_requests"] == 4  # per API: without logprobs (no ids), then with them
+    assert d["apis"] == {api: {"token_ids_from": "logprobs", "logprobs_requested": True, "prompt_token_ids": False}
+                         for api in ("chat", "completions")}
+
+
+def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(serve, golden, capsys):
+    url = serve("hf")
+    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--seed", "2",
+                 "--arrival-spread", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "the server refuses return_token_ids" in out and "without data: [DONE] (accepted as complete)" in out
+    assert "chat: the server reports no token ids; answers compared by text" in out
+    report = run(url, golden)
+    assert report["dialect"]["return_token_ids"] == "refused" and report["dialect"]["no_done_marker"]
+    assert report["dialect"]["apis"]["chat"] == {"token_ids_from": None, "logprobs_requested": False,
+                                                 "prompt_token_ids": False}
+
+
+def test_a_trailing_incomplete_character_held_back_is_unsettled_not_a_divergence(serve, golden):
+    held = [c for c in golden.cases if unsettled_from(c) < len(c.token_ids)]
+    assert held, "the golden file has no answer ending in an incomplete character"
+    report = run(serve("held-back"), golden)
+    by_case = {r["case"]: r for r in report["requests"]}
+    for case in held:
+        record = by_case[case.id]
+        assert record["verdict"] == "match" and "settled no text of their own at the end" in record["note"]
+        assert not record["text"].endswith("\ufffd")
+        replaced = case.text_before(unsettled_from(case)) + "\ufffd"  # a server replacing it: also unsettled
+        assert judge_text(case, replaced, golden.tolerance).kind == "match"
+    case = held[0]  # other text where the incomplete character was is still a divergence
+    wrong = judge_text(case, case.text_before(unsettled_from(case)) + "x", tolerance=0.0)
+    assert (wrong.kind, wrong.index) == ("diverged", len(case.token_ids) - 1)
+
+
+def test_a_stream_closed_before_its_finish_reason_is_an_error(serve, golden):
+    report = run(serve("broken"), golden)
+    streamed = [r for r in report["requests"] if r["streamed"]]
+    long = [r for r in streamed if len(next(c for c in golden.cases if c.id == r["case"]).token_ids) > 2]
+    assert long and all(r["verdict"] == "error" and "without a finish_reason" in r["error"] for r in long)
+    assert all(r["verdict"] == "match" for r in report["requests"] if not r["streamed"])
+    assert not report["summary"]["passed"]
+
+
+def test_logprob_ids_a_stream_left_out_are_set_aside_not_judged():
+    """llama.cpp streams no logprobs for a token that completed no character: the usage count shows it."""
+    from refengine.validate.wire import Stream
+    stream = Stream()
+    for piece, ids in (("a", [5]), ("b", [6])):
+        stream.add({"choices": [{"index": 0, "delta": {"content": piece}, "logprobs": {"content": [{"id": i} for i in ids]},
+                                 "finish_reason": None, "unknown": {"nested": [None]}}]})
+    stream.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    stream.add({"choices": [], "usage": {"completion_tokens": 3}})
+    completion = stream.completion(cancelled=False, done_marker=True)
+    assert completion.text == "ab" and completion.token_ids is None and "usage.completion_tokens 3" in completion.note
