@@ -19,7 +19,6 @@ from refengine.serve import OpenAIServer
 from refengine.validate.client import Endpoint
 from refengine.validate.drain import (
     NO_STATUS,
-    get,
     read_source,
     server_state,
     wait_drained,
@@ -39,7 +38,7 @@ def wait_until(condition, what: str):
 
 # --- refengine serve: /metrics against /admin/api/status -----------------------------------------
 def scrape(endpoint: Endpoint) -> dict[tuple[str, frozenset], float]:
-    status, body = get(endpoint, "/metrics")
+    status, body = endpoint.get("/metrics")
     assert status == 200
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(body.decode()) for s in family.samples}

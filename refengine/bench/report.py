@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,6 @@ class BenchSettings:
     scenarios: tuple[str, ...] = ("decode",)
     hf: bool = False
     plot: str | None = None        # a PNG of step time and tok/s vs batch size
-    sweep: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -47,7 +46,11 @@ class BenchSettings:
                 raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if any(b < 1 for b in self.batch_sizes):
             raise RefengineError(f"batch_sizes: batch sizes must be positive, got {list(self.batch_sizes)}")
-        object.__setattr__(self, "sweep", sorted({1, *self.batch_sizes, self.requests}))
+
+    @property
+    def sweep(self) -> list[int]:
+        """The batch sizes run: 1, the extra ones, and `requests`."""
+        return sorted({1, *self.batch_sizes, self.requests})
 
 
 def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | None]:

@@ -40,16 +40,20 @@ class Endpoint:
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return kind(self.host, self.port, timeout=self.timeout)
 
-    def get_json(self, path: str) -> dict:
+    def get(self, path: str) -> tuple[int, bytes]:
+        """(HTTP status, body) of a plain GET, whatever the content type."""
         conn = self._connect()
         try:
             conn.request("GET", self.base + path)
             resp = conn.getresponse()
-            return _json_body(resp, path)
+            return resp.status, resp.read()
         except http.client.HTTPException as e:
             raise ServerError(f"{path}: broken HTTP response ({type(e).__name__}: {e})") from None
         finally:
             conn.close()
+
+    def get_json(self, path: str) -> dict:
+        return _json_body(*self.get(path), path)
 
     def complete(self, path: str, body: dict, cancel_after: int | None = None) -> Completion:
         """POST `body`; when streaming, hang up after `cancel_after` chunks that carry tokens."""
@@ -59,9 +63,9 @@ class Endpoint:
             sock = conn.sock  # getresponse() drops conn.sock when the server will close the connection
             resp = conn.getresponse()
             if not body.get("stream"):
-                return _whole(_json_body(resp, path))
+                return _whole(_json_body(resp.status, resp.read(), path))
             if resp.status != 200:
-                _json_body(resp, path)
+                _json_body(resp.status, resp.read(), path)
             return _streamed(resp, cancel_after, sock)
         except (http.client.HTTPException, UnicodeDecodeError) as e:
             raise ServerError(f"{path}: broken HTTP response ({type(e).__name__}: {e})") from None
@@ -69,16 +73,15 @@ class Endpoint:
             conn.close()
 
 
-def _json_body(resp: http.client.HTTPResponse, path: str) -> dict:
-    raw = resp.read()
+def _json_body(status: int, raw: bytes, path: str) -> dict:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ServerError(f"{path}: HTTP {resp.status}, body is not JSON: {raw[:120]!r}", resp.status) from None
-    if resp.status != 200:
+        raise ServerError(f"{path}: HTTP {status}, body is not JSON: {raw[:120]!r}", status) from None
+    if status != 200:
         error = data.get("error") if isinstance(data, dict) else None
         message = error.get("message") if isinstance(error, dict) else data
-        raise ServerError(f"{path}: HTTP {resp.status}: {message}", resp.status)
+        raise ServerError(f"{path}: HTTP {status}: {message}", status)
     if not isinstance(data, dict):
         raise ServerError(f"{path}: expected a JSON object, got {raw[:120]!r}")
     return data

@@ -14,7 +14,6 @@ reported but not required to fall back.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ def server_state(endpoint: Endpoint) -> State | None:
 
 def read_source(endpoint: Endpoint, path: str) -> State | None:
     """The state from one source (one of SOURCES); None when the server does not have it."""
-    status, body = get(endpoint, path)
+    status, body = endpoint.get(path)
     if 400 <= status < 500 or status == 501:
         return None
     if status != 200:
@@ -112,20 +111,6 @@ def wait_drained(endpoint: Endpoint, baseline_state: State | None, deadline_s: f
             note = f"{deadline_s:g} s after the run the server still has {', '.join(busy(last, baseline_state))}"
             return False, last, note + f" ({last.describe()})" + (f"; last poll failed: {error}" if error else "")
         time.sleep(poll_s)
-
-
-def get(endpoint: Endpoint, path: str) -> tuple[int, bytes]:
-    """(HTTP status, body) of a plain GET, whatever the content type."""
-    kind = http.client.HTTPSConnection if endpoint.scheme == "https" else http.client.HTTPConnection
-    conn = kind(endpoint.host, endpoint.port, timeout=endpoint.timeout)
-    try:
-        conn.request("GET", endpoint.base + path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    except http.client.HTTPException as e:
-        raise ServerError(f"{path}: broken HTTP response ({type(e).__name__}: {e})") from None
-    finally:
-        conn.close()
 
 
 # --- the sources ---------------------------------------------------------------------------------
