@@ -1,6 +1,11 @@
 """The float64 serial reference forward: the oracle every other result is judged against.
 
 One sequence at a time, a contiguous KV cache, float64 throughout. Written to be read.
+
+The same math runs in the precision of the weights it is given: with `model.weights(np.float32)`
+every operation stays float32 (the RoPE angles are computed in float64, as the engine's tables are,
+and rounded to the working precision). That float32 reference -- no scheduler, no paging, no
+batching -- is what refengine.check.calibrate holds against the float64 one to bound float32 noise.
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ def rope_angles(positions, head_dim, theta):  # -> [seq, head_dim]
 
 def apply_rope(x, positions, theta):  # x [seq, heads, head_dim]
     angles = rope_angles(positions, x.shape[-1], theta)[:, None, :]  # [seq, 1, head_dim]
+    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)  # in x's precision
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: [seq, heads, head_dim]
-    return x * np.cos(angles) + rotated * np.sin(angles)
+    return x * cos + rotated * sin
 
 
 def linear(x, weight, bias=None):  # x [seq, in], weight [out, in] -> [seq, out]
@@ -53,7 +59,7 @@ def causal_attention(q, k, v, q_positions):
     group = n_heads // n_kv_heads
     k = np.repeat(k, group, axis=1)                                      # [total, n_heads, hd]
     v = np.repeat(v, group, axis=1)                                      # [total, n_heads, hd]
-    scores = np.einsum("shd,thd->hst", q, k) / np.sqrt(head_dim)         # [n_heads, seq, total]
+    scores = np.einsum("shd,thd->hst", q, k) / np.sqrt(head_dim, dtype=q.dtype)  # [n_heads, seq, total]
     key_positions = np.arange(k.shape[0])
     future = key_positions[None, :] > np.asarray(q_positions)[:, None]   # [seq, total]
     scores = np.where(future[None], -np.inf, scores)
@@ -99,19 +105,24 @@ def mlp_block(x, w: LayerWeights):  # x [seq, hidden]
     return linear(gate * up, w.down_proj, w.down_bias)  # [seq, hidden]
 
 
-def forward(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
-    """Logits [len(ids), vocab] for `ids` following the cache's positions; extends the cache."""
+def final_hidden(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
+    """The final-normed hidden states [len(ids), hidden] for `ids` following the cache's positions;
+    extends the cache."""
     positions = cache.length + np.arange(len(ids))  # [seq]
     x = weights.embed[np.asarray(ids)]              # [seq, hidden]
     for layer, w in enumerate(weights.layers):
         x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, cache, positions)
         x = x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)
-    x = rms_norm(x, weights.norm, cfg.rms_norm_eps)  # [seq, hidden]
-    return x @ weights.lm_head.T                     # [seq, vocab]
+    return rms_norm(x, weights.norm, cfg.rms_norm_eps)  # [seq, hidden]
+
+
+def forward(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
+    """Logits [len(ids), vocab] for `ids` following the cache's positions; extends the cache."""
+    return final_hidden(weights, cfg, ids, cache) @ weights.lm_head.T  # [seq, hidden] @ [hidden, vocab]
 
 
 def prompt_logits(model: Model, ids, dtype=np.float64):
-    """Logits at every position of `ids`: [len(ids), vocab]."""
+    """Logits at every position of `ids`: [len(ids), vocab], computed in `dtype` (float64: the oracle)."""
     ids = model.check_prompt(ids)
     return forward(model.weights(dtype), model.config, ids, KVCache())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -14,10 +15,12 @@ from refengine.check.golden import read_golden
 from refengine.check.margin_rule import judge_text
 from refengine.cli import main
 from refengine.data import shipped
-from refengine.validate.board import Settings, validate
+from refengine.validate.board import Cases, validate
+from refengine.validate.plan import Settings
 
 GOLDEN = shipped("golden", "tiny-default.jsonl")
 HF_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream"}  # what HF serve accepts here
+TOKEN_S = 0.002  # the fake server's decode step: answers take time, so requests overlap as on a real server
 EXTRA = {"system_fingerprint": "fp-1", "service_tier": None, "kv_transfer_params": {"x": [1]}}  # unknown fields
 
 
@@ -89,6 +92,7 @@ def dialect_server(golden, dialect: str):
             logprobs = body.get("logprobs") and (api == "completions" or body.get("top_logprobs"))
             if body.get("stream"):
                 return self.stream(api, body, answer, bool(logprobs))
+            time.sleep(TOKEN_S * len(answer.ids))
             choice = {"index": 0, "finish_reason": answer.finish, "logprobs": None, **EXTRA}
             text = "".join(answer.pieces)
             choice |= {"message": {"role": "assistant", "content": text}} if api == "chat" else {"text": text}
@@ -112,6 +116,7 @@ def dialect_server(golden, dialect: str):
             self.end_headers()  # HTTP/1.0: the body ends when the connection closes
             try:
                 for i, (token, piece) in enumerate(zip(answer.ids, answer.pieces)):
+                    time.sleep(TOKEN_S)
                     if dialect == "broken" and i == 2:
                         return  # closes mid-answer: no finish_reason, no [DONE]
                     last = i == len(answer.ids) - 1
@@ -153,8 +158,7 @@ def serve(golden):
 
 
 def run(url, golden, cancel_rate=0.0, seed=2):
-    return validate(url, golden, Settings(concurrency=4, seed=seed, cancel_rate=cancel_rate, arrival_spread=0.2,
-                                          timeout=30))
+    return validate(url, Cases.of_golden(golden), Settings(concurrency=4, seed=seed, cancel_rate=cancel_rate, timeout=30))
 
 
 def compared(report):
@@ -177,8 +181,8 @@ def test_vllm_ids_come_with_return_token_ids_and_prompt_ids_are_checked(serve, g
     report = run(serve("vllm"), golden)
     d = report["dialect"]
     assert d["return_token_ids"] == "sent" and d["probe_requests"] == 2 and not d["no_done_marker"]
-    assert d["apis"] == {api: {"token_ids_from": "token_ids", "logprobs_requested": False, "prompt_token_ids": True}
-                         for api in ("chat", "completions")}
+    assert d["apis"] == {api: {"token_ids_from": "token_ids", "logprobs_requested": True, "logprobs": False,
+                               "prompt_token_ids": True} for api in ("chat", "completions")}
     assert all(r["token_ids"] == next(c for c in golden.cases if c.id == r["case"]).token_ids
                for r in report["requests"])
 
@@ -186,23 +190,23 @@ def test_vllm_ids_come_with_return_token_ids_and_prompt_ids_are_checked(serve, g
 def test_llamacpp_ids_are_read_from_the_logprobs_asked_for_only_there(serve, golden):
     report = run(serve("llamacpp"), golden)
     d = report["dialect"]
-    assert d["probe_requests"] == 4  # per API: without logprobs (no ids), then with them
-    assert d["apis"] == {api: {"token_ids_from": "logprobs", "logprobs_requested": True, "prompt_token_ids": False}
-                         for api in ("chat", "completions")}
+    assert d["probe_requests"] == 2  # one per API: every request asks for logprobs
+    assert d["apis"] == {api: {"token_ids_from": "logprobs", "logprobs_requested": True, "logprobs": True,
+                               "prompt_token_ids": False} for api in ("chat", "completions")}
 
 
-def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(serve, golden, capsys):
+def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(serve, golden, capsys, tmp_path):
     url = serve("hf")
     code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--seed", "2",
-                 "--arrival-spread", "0.2"])
+                 "--repro", str(tmp_path / "repro.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "the server refuses return_token_ids" in out and "without data: [DONE] (accepted as complete)" in out
     assert "chat: the server reports no token ids; answers compared by text" in out
     report = run(url, golden)
     assert report["dialect"]["return_token_ids"] == "refused" and report["dialect"]["no_done_marker"]
-    assert report["dialect"]["apis"]["chat"] == {"token_ids_from": None, "logprobs_requested": False,
-                                                 "prompt_token_ids": False}
+    assert report["dialect"]["apis"]["chat"] == {"token_ids_from": None, "logprobs_requested": False,  # refused
+                                                 "logprobs": False, "prompt_token_ids": False}
 
 
 def test_a_trailing_incomplete_character_held_back_is_unsettled_not_a_divergence(serve, golden):

@@ -259,12 +259,13 @@ def test_validate_fails_a_server_that_does_not_drain_after_hang_ups(tiny_model, 
     """Board validation checks the drain after its run: hang-ups that leak KV fail the run."""
     from refengine.check.golden import read_golden
     from refengine.data import shipped
-    from refengine.validate.board import Settings, validate
+    from refengine.validate.board import Cases, validate
+    from refengine.validate.plan import Settings
 
     server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
     server.start()
     try:
-        report = validate(server.url, read_golden(shipped("golden", "tiny-default.jsonl")),
+        report = validate(server.url, Cases.of_golden(read_golden(shipped("golden", "tiny-default.jsonl"))),
                           Settings(concurrency=4, cancel_rate=0.5, seed=3))
     finally:
         server.close()

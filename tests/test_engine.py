@@ -311,3 +311,71 @@ def test_bad_messages_and_prompt_types_name_the_request(tiny_model):
     with pytest.raises(RefengineError, match="'params'.*SamplingParams"):
         engine.add_request("params", [5], params={"max_tokens": 3})
     assert not engine.has_unfinished()
+
+
+def test_abort_of_a_finished_request_is_a_no_op_and_each_request_gets_one_final_event(tiny_model):
+    """abort() returns True when it stops a request (its final event, finish_reason "abort" and no
+    token, comes out of the next step), False for one that had already finished (no event, output
+    unchanged), and raises for a released one."""
+    engine = LLMEngine(tiny_model, EngineConfig(mode="fast", max_num_seqs=4, block_size=4))
+    engine.add_request("short", [5, 6, 7], params=SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("long", [8, 9], params=SamplingParams(max_tokens=12, **GREEDY))
+    engine.add_request("waiting", [10], params=SamplingParams(max_tokens=4, **GREEDY))
+    finals = {}
+
+    def step():
+        for event in engine.step():
+            if event.finish_reason:
+                assert event.request_id not in finals, f"second final event {event}"
+                finals[event.request_id] = event
+        engine.check_invariants()
+
+    assert engine.abort("waiting") is True and engine.abort("waiting") is False  # before it ever ran
+    step()
+    assert finals["waiting"].finish_reason == "abort" and finals["waiting"].token_id is None
+    while "short" not in finals:
+        step()
+    before = engine.output("short")
+    assert before.finish_reason == "length" and finals["short"].token_id == before.token_ids[-1]
+    assert engine.abort("short") is False  # finished, not yet released
+    step()
+    assert engine.output("short") == before
+    assert engine.abort("long") is True and engine.abort("long") is False
+    step()
+    assert finals["long"].finish_reason == "abort" and engine.output("long").finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.step() == [] and set(finals) == {"short", "long", "waiting"}
+    engine.release("short")
+    with pytest.raises(RefengineError, match="'short'.*unknown"):
+        engine.abort("short")
+
+
+def test_abort_after_finish_fault_rewrites_the_finish_and_the_engine_check_sees_it(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(mode="fast", fault="abort-after-finish-rewrites-finish"))
+    engine.add_request("r", [5, 6], params=SamplingParams(max_tokens=1, **GREEDY))
+    assert engine.step()[0].finish_reason == "length"
+    assert engine.abort("r") is True
+    events = engine.step()
+    assert [e.finish_reason for e in events] == ["abort"] and engine.output("r").finish_reason == "abort"
+    with pytest.raises(AssertionError, match="2 final events"):
+        engine.check_invariants()
+
+
+ORDER_SCHEDULE = {  # r1's prefill and r0's decode share step 1: fcfs runs the decode first
+    "engine": {"mode": "invariant", "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 1,
+               "max_model_len": 128, "num_blocks": 5},
+    "requests": [{"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+                 {"id": "r1", "prompt_ids": [0], "arrival_step": 1, "max_tokens": 4}]}
+
+
+@pytest.mark.parametrize("fault", ["chunk-order-dependent-logits-row", "decode-context-after-prefill"])
+def test_order_faults_only_show_when_a_prefill_precedes_a_decode(tiny_model, fault):
+    def outputs(policy, fault=None):
+        schedule = {**ORDER_SCHEDULE, "engine": {**ORDER_SCHEDULE["engine"], "scheduling_policy": policy,
+                                                 **({"fault": fault} if fault else {})}}
+        run = run_schedule(tiny_model, parse_schedule(schedule, "order"))
+        assert run["trace"][1]["scheduled"][0]["phase"] == ("prefill" if policy == "prefill-first" else "decode")
+        return {rid: r["steps"] for rid, r in run["requests"].items()}
+
+    clean = outputs("fcfs")
+    assert outputs("prefill-first") == clean and outputs("fcfs", fault) == clean
+    assert outputs("prefill-first", fault) != clean

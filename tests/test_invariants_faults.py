@@ -2,7 +2,11 @@
 profile's example budget finds a failing schedule, shrinks it to at most 3 requests and writes a
 repro that `refengine replay` (fault set through REFENGINE_FAULT) reproduces, while the same repro
 replays clean without the fault. Each fault is hunted by a property that catches it; the scheduler+KV
-state machine also catches the two that break the KV accounting."""
+state machine also catches the two that break the KV accounting. Two are reachable only through the
+scheduling policies other than fcfs (a decode after a prefill chunk in one step):
+chunk-order-dependent-logits-row and decode-context-after-prefill. abort-after-finish-rewrites-finish
+is caught by the finish-semantics property (refengine/suite/test_finish.py); `refengine replay` sees it
+as an engine failure (the engine's own check: exactly one final event per finished request)."""
 import json
 
 import pytest
@@ -23,6 +27,7 @@ from refengine.suite.harness import (
     invariant_schedules,
     other_budgets,
 )
+from refengine.suite.test_finish import check_finish, finish_schedules
 from refengine.suite.test_state_machine import SchedulerKVMachine
 
 pytestmark = pytest.mark.invariants
@@ -39,6 +44,9 @@ PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property wi
     "reference-agreement": (
         st.tuples(tiny_model_names(), greedy_schedules),
         lambda example, fault: check("reference-agreement", *example, against="reference", fault=fault)),
+    "finish-semantics": (
+        st.tuples(tiny_model_names(), finish_schedules()),
+        lambda example, fault: check_finish("finish-semantics", *example, fault=fault)),
 }
 CAUGHT_BY = {
     "stale-block-table-after-preemption": "invariant-mode-is-exact",
@@ -49,6 +57,10 @@ CAUGHT_BY = {
     "seed-leak": "invariant-mode-is-exact",
     "kv-write-block-boundary-off-by-one": "reference-agreement",
     "abort-leaks-blocks": "invariant-mode-is-exact",
+    "abort-after-finish-rewrites-finish": "finish-semantics",
+    "chunk-order-dependent-logits-row": "invariant-mode-is-exact",
+    "decode-context-after-prefill": "invariant-mode-is-exact",
+    "attention-bound-inflating": "reference-agreement",
     "top-p-excludes-crossing-token": "sampling-distribution",  # not schedule-shaped: tests/test_sampling_oracle.py
 }
 STATE_MACHINE_CATCHES = ("abort-leaks-blocks", "stale-block-table-after-preemption")

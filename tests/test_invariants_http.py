@@ -1,10 +1,15 @@
 """The HTTP properties' negative control: against a faulty in-process server the golden property
-fails, and Hypothesis shrinks the failing schedule to one request sent at once."""
+fails, Hypothesis shrinks the failing schedule to one request sent at once, and the HTTP repro it
+writes fails again when `refengine validate --replay` sends it to the faulty server, and passes
+against a clean one."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from refengine.check.golden import read_golden
+from refengine.cli import main
 from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.serve import OpenAIServer
@@ -16,7 +21,8 @@ pytestmark = [pytest.mark.invariants, pytest.mark.http,
 FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one KV block
 
 
-def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model):
+def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=FAULT),
                           host="127.0.0.1")
     faulty.start()
@@ -33,9 +39,23 @@ def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model):
         found = http_property(answers_match_golden_on_faulty_server,
                               connect(faulty.url, read_golden(shipped("golden", "tiny-default.jsonl"))),
                               derandomize=True, database=None, report_multiple_bugs=False)
-        with pytest.raises(PropertyFailure, match="diverged at generated token"):
+        with pytest.raises(PropertyFailure, match="diverged at generated token") as failure:
             found()
+        shrunk = failing[-1]
+        assert len(shrunk) == 1 and not shrunk[0].stream and shrunk[0].arrival == 0, shrunk
+        repro = json.loads(failure.value.repro.read_text())
+        assert [(r["case"], r["streamed"], r["verdict"]) for r in repro["requests"]] == \
+            [(shrunk[0].case_id, False, "diverged")]
+        again = tmp_path / "again.json"
+        assert main(["validate", "--replay", str(failure.value.repro), "--url", faulty.url, "--report", str(again),
+                     "--repro", str(tmp_path / "again-repro.json")]) == 1
+        assert [r["verdict"] for r in json.loads(again.read_text())["requests"]] == ["diverged"]
     finally:
         faulty.close()
-    shrunk = failing[-1]
-    assert len(shrunk) == 1 and not shrunk[0].stream and shrunk[0].arrival_ms == 0, shrunk
+    clean = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1")
+    clean.start()
+    try:
+        assert main(["validate", "--replay", str(failure.value.repro), "--url", clean.url,
+                     "--repro", str(tmp_path / "clean-repro.json")]) == 0
+    finally:
+        clean.close()

@@ -140,3 +140,15 @@ def test_top_logprobs_break_ties_by_lower_id():
 
 def test_log_softmax_of_uniform_logits_is_minus_log_vocab():
     np.testing.assert_allclose(log_softmax(np.full(5, 3.0)), np.full(5, -math.log(5)), rtol=1e-15)
+
+
+def test_the_building_blocks_keep_float32_inputs_in_float32():
+    """The calibration's float32 reference: one float64 constant would promote everything after it."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, 2, 4)).astype(np.float32) for _ in range(3))  # [seq 3, heads 2, head_dim 4]
+    positions = np.arange(3)
+    assert apply_rope(q, positions, theta=10000.0).dtype == np.float32
+    assert causal_attention(q, k, v, positions).dtype == np.float32
+    assert rms_norm(q, np.ones(4, dtype=np.float32), eps=1e-6).dtype == np.float32
+    np.testing.assert_allclose(causal_attention(q, k, v, positions),
+                               causal_attention(*(a.astype(np.float64) for a in (q, k, v)), positions), rtol=1e-5)

@@ -212,3 +212,24 @@ def test_join_leave_example_is_bit_identical_under_every_policy(tiny_model):
 def test_bad_scheduling_settings_are_refused_naming_the_field(engine, message):
     with pytest.raises(RefengineError, match=message):
         parse_schedule({"engine": engine, "requests": [{"id": "r0", "prompt_ids": [1]}]}, "s.json")
+
+
+@pytest.mark.parametrize("budget, block_size, num_blocks", [(5, 2, 9), (16, 1, 20), (3, 4, 6), (64, 2, 12)])
+def test_fcfs_never_puts_a_decode_after_a_prefill_chunk(tiny_model, budget, block_size, num_blocks):
+    """Under fcfs a step's prefill chunks (a resumed sequence's recompute included) come after its
+    decodes, so the order faults chunk-order-dependent-logits-row and decode-context-after-prefill
+    are reachable only through the other policies (the strategies draw them)."""
+    scheduler, manager = make(tiny_model, max_num_seqs=4, max_num_batched_tokens=budget, block_size=block_size,
+                              num_blocks=num_blocks)
+    seqs = [new_seq(tiny_model, f"r{i}", 1 + (i * 5) % 9, 2 + i % 6, step=i) for i in range(12)]
+    mixed = 0
+    for step in range(1000):
+        if step < len(seqs):
+            scheduler.add(seqs[step])
+        output = run_step(scheduler, manager, step)
+        phases = [c.phase for c in output.chunks]
+        assert phases == sorted(phases), f"step {step}: {phases}"  # "decode" < "prefill"
+        mixed += len(set(phases)) == 2
+        if step >= len(seqs) and not scheduler.has_unfinished():
+            break
+    assert all(s.is_finished for s in seqs) and mixed > 0

@@ -18,7 +18,7 @@ from refengine.cli import main
 from refengine.data import shipped
 from refengine.engine import FAULTS
 from refengine.errors import RefengineError
-from refengine.validate.board import Settings, plan
+from refengine.validate.plan import Settings, plan
 
 GOLDEN = shipped("golden", "tiny-default.jsonl")
 DEADLINE_S = 60
@@ -103,8 +103,9 @@ def test_text_divergence_can_be_blamed_on_a_token_that_showed_no_text(golden):
 # --- the schedule --------------------------------------------------------------------------------
 def test_schedule_is_seeded_and_mixes_streaming_cancels_and_apis(golden):
     settings = Settings(seed=5, cancel_rate=0.3, repeat=4)
-    planned = plan(golden, settings)
-    assert planned == plan(golden, settings) and planned != plan(golden, Settings(seed=6, cancel_rate=0.3, repeat=4))
+    planned = plan(golden.cases, settings, 1.0)
+    assert planned == plan(golden.cases, settings, 1.0)
+    assert planned != plan(golden.cases, Settings(seed=6, cancel_rate=0.3, repeat=4), 1.0)
     assert len(planned) == 4 * len(golden.cases) and len({p.id for p in planned}) == len(planned)
     cancelled = [p for p in planned if p.cancel_after is not None]
     assert cancelled and all(p.stream and 1 <= p.cancel_after < len(p.case.token_ids) for p in cancelled)
@@ -117,7 +118,7 @@ def test_schedule_is_seeded_and_mixes_streaming_cancels_and_apis(golden):
 
 def test_chat_only_api_refuses_a_raw_prompt_case(golden):
     with pytest.raises(RefengineError, match="raw text prompt"):
-        plan(golden, Settings(api="chat"))
+        plan(golden.cases, Settings(api="chat"), 1.0)
 
 
 # --- end to end over HTTP -------------------------------------------------------------------------
@@ -184,17 +185,17 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert {r["compared_by"] for r in compared} == {"token_ids"}
     assert len(requests) == 2 * len(read_golden(GOLDEN).cases)
     assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
-    assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, nothing to ask for
+    assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, logprobs when asked
         "return_token_ids": "sent", "no_done_marker": False, "streams_without_done": 0, "probe_requests": 2,
-        "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": False, "prompt_token_ids": True}
-                              for api in ("chat", "completions")}}
+        "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": True, "logprobs": True,
+                                    "prompt_token_ids": True} for api in ("chat", "completions")}}
     assert "-> PASS" in out
 
     wait_until(lambda: get_json(url, "/admin/api/status")[1]["in_flight"] == 0, "every request to leave")
     status = get_json(url, "/admin/api/status")[1]
     assert status["running"] == status["waiting"] == status["kv_blocks_used"] == 0
     assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == \
-        len(requests) + report["dialect"]["probe_requests"]  # + one whole 1-token probe per API, before the run
+        len(requests) + report["dialect"]["probe_requests"] + len(report["alone"])  # + probes, the pace request
     assert status["requests_aborted"] <= summary["cancelled"]  # a hang-up can come after the last token
     assert (status["max_batch_active"] > 1) == (max_num_seqs > 1)
 
@@ -204,7 +205,7 @@ def test_validate_fails_against_a_server_with_a_fault(serve, tmp_path, capsys):
     url = serve("--max-num-seqs", "8", fault=FAULT)
     report_path = tmp_path / "report.json"
     code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--concurrency", "8", "--cancel-rate", "0",
-                 "--report", str(report_path)])
+                 "--report", str(report_path), "--repro", str(tmp_path / "repro.json")])
     out = capsys.readouterr().out
     assert code == 1, out
     report = json.loads(report_path.read_text())
@@ -221,7 +222,8 @@ def test_validate_fails_against_a_server_with_a_fault(serve, tmp_path, capsys):
 def test_requests_the_server_refuses_are_errors_and_fail_validation(serve, tmp_path, capsys):
     url = serve("--max-model-len", "64")  # the long cases' prompt + max_tokens do not fit
     report_path = tmp_path / "report.json"
-    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--report", str(report_path)])
+    code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--report", str(report_path),
+                 "--repro", str(tmp_path / "repro.json")])
     assert code == 1
     errors = {r["case"]: r["error"] for r in json.loads(report_path.read_text())["requests"] if r["verdict"] == "error"}
     too_long = {c.id for c in read_golden(GOLDEN).cases if len(c.prompt_ids) + c.max_tokens > 64}

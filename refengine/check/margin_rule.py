@@ -134,11 +134,16 @@ def describe(v: Verdict, got_name: str = "got", want_name: str = "expected", dec
     def fmt(x):
         return "-" if x is None else f"{x:.6g}"
 
-    where = f"generated token {v.index}" + ("" if v.engine_step is None else f" (engine step {v.engine_step})")
+    where = "the text" if v.index is None else f"generated token {v.index}" + (
+        "" if v.engine_step is None else f" (engine step {v.engine_step})")
     lines = [f"{v.id}: {v.kind} at {where}" + (f": {v.reason}" if v.reason else "")]
     if v.compared_by == "token_ids":
         lines.append(f"  {got_name} token {token(v.got)}, {want_name} token {token(v.want)}")
-    if v.margin is None:
+    if v.margin is None and v.index is None:
+        lines.append(f"  no {want_name} top-2 margin known (compared by text): held strictly")
+    elif v.margin is None and v.want is not None:
+        lines.append(f"  no {want_name} top-2 margin known there: held strictly")
+    elif v.margin is None:
         lines.append(f"  the {want_name} answer had already ended")
     else:
         relation = "<=" if v.margin <= (v.tolerance or 0.0) else ">"

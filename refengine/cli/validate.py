@@ -1,43 +1,113 @@
-"""validate: replay a golden file against any OpenAI-compatible server under join/leave load."""
+"""validate: send a golden or prompts file's cases to any OpenAI-compatible server under join/leave
+load; judge the answers against the golden file or against the server's own alone answers."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..check.golden import read_golden
-from ..validate.board import APIS, Settings, format_report, validate
+from ..check.golden import load_prompts, read_golden
+from ..errors import RefengineError
+from ..validate.board import Cases, validate
+from ..validate.plan import APIS, BASELINES, Settings
+from ..validate.precision import agreeing_deltas, plot_precision
+from ..validate.report import format_report
+from ..validate.repro import planned_from, read_repro, repro_data, write_repro
+
+
+def load_cases(golden: str | None, prompts: str | None) -> Cases:
+    if golden:
+        return Cases.of_golden(read_golden(golden))
+    return Cases.of_prompts(prompts, load_prompts(prompts))
 
 
 def run_validate(args) -> int:
+    if args.replay:
+        return replay_repro(args)
+    if (args.golden is None) == (args.prompts is None):
+        raise RefengineError("validate: give exactly one of --golden FILE or --prompts FILE")
+    baseline = args.baseline or ("golden" if args.golden else "serial")
     settings = Settings(concurrency=args.concurrency, seed=args.seed, cancel_rate=args.cancel_rate,
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
-                        repeat=args.repeat, timeout=args.timeout)
-    golden = read_golden(args.golden)
-    report = validate(args.url, golden, settings)
+                        repeat=args.repeat, timeout=args.timeout, baseline=baseline)
+    cases = load_cases(args.golden, args.prompts)
+    return finish(args, validate(args.url, cases, settings), cases)
+
+
+def replay_repro(args) -> int:
+    """--replay: the repro's requests, its baseline and tolerance; --golden / --prompts may point at
+    another copy of its source file."""
+    data = read_repro(args.replay)
+    if args.golden and args.prompts:
+        raise RefengineError("validate: give at most one of --golden FILE or --prompts FILE with --replay")
+    source = args.golden or args.prompts or data["source"]
+    golden = bool(args.golden) or (not args.prompts and _is_golden(source))
+    cases = load_cases(source if golden else None, None if golden else source)
+    s = data["settings"]
+    settings = Settings(concurrency=s["concurrency"], margin_tolerance=s.get("margin_tolerance"), api=s["api"],
+                        timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"])
+    report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay))
+    return finish(args, report, cases)
+
+
+def _is_golden(path: str) -> bool:
+    """A golden file starts with its header line ({"golden": 1, ...}); a prompts file with a case."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+    except OSError as e:
+        raise RefengineError(f"{path}: cannot read ({e.strerror})") from None
+    return first.lstrip().startswith('{"golden"')
+
+
+def finish(args, report: dict, cases: Cases) -> int:
     print(format_report(report))
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         print(f"report: {args.report}")
+    if report["summary"]["verdict"] != "PASS":
+        path = write_repro(args.repro, repro_data(report))
+        print(f"repro: {path} (send it again: refengine validate --replay {path} --url URL)")
+    if args.plot:
+        if not report["precision"]:
+            raise RefengineError("--plot: no precision report (the server reports no logprobs, or the baseline "
+                                 "is not golden)")
+        deltas, _ = agreeing_deltas(report["requests"], cases.golden)  # also when the report kept none
+        print(f"plot: {plot_precision(report['precision'], deltas, args.plot)}")
     return 0 if report["summary"]["passed"] else 1
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("validate", help="replay golden cases against an OpenAI-compatible server under "
+    p = subparsers.add_parser("validate", help="send golden or prompt cases to an OpenAI-compatible server under "
                                                "random join/leave load; judge answers by the margin rule")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--golden", required=True, help="golden JSONL file (refengine golden refresh)")
+    p.add_argument("--golden", help="golden JSONL file (refengine golden refresh): the cases, and the float64 "
+                                    "baseline")
+    p.add_argument("--prompts", help="prompts JSONL file: the cases, judged against the server's alone answers")
+    p.add_argument("--baseline", choices=BASELINES,
+                   help="golden: the golden file's float64 answers (default with --golden); serial: the same "
+                        "server's answer to each case sent alone (default with --prompts)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival / streaming / cancel schedule")
     p.add_argument("--cancel-rate", type=float, default=0.2,
                    help="fraction of requests that hang up mid-stream (not compared)")
     p.add_argument("--margin-tolerance", type=float,
-                   help="largest golden top-2 margin a divergence may occur at (default: the golden file's "
-                        "calibrated float32 noise bound; raise it for bf16 or quantized devices)")
+                   help="largest baseline top-2 margin a divergence may occur at (default: golden, the golden "
+                        "file's calibrated float32 noise bound, raise it for bf16 or quantized devices; serial, 0: "
+                        "bit-identical)")
     p.add_argument("--api", choices=APIS, default="auto",
                    help="auto: chat cases to /v1/chat/completions, text prompts to /v1/completions; "
                         "completions: chat cases sent as their golden prompt ids")
-    p.add_argument("--arrival-spread", type=float, default=1.0, help="seconds over which arrivals are spread")
+    p.add_argument("--arrival-spread", type=float,
+                   help="seconds over which arrivals are spread (default: requests x the server's alone "
+                        "latency / (2 x concurrency), so requests overlap)")
     p.add_argument("--repeat", type=int, default=1, help="send every case this many times")
     p.add_argument("--timeout", type=float, default=600.0, help="socket timeout per request, seconds")
     p.add_argument("--report", metavar="OUT.json", help="write the JSON report here")
+    p.add_argument("--repro", metavar="OUT.json", default="validate-repro.json",
+                   help="where a run that does not PASS writes its requests as sent (default: %(default)s)")
+    p.add_argument("--replay", metavar="REPRO.json",
+                   help="send a repro file's requests again, exactly as they were, and judge them the same way")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="histogram of |server logprob - golden logprob| on the agreeing tokens, with the float32 "
+                        "bound (needs the plot extra, a golden baseline and a server that reports logprobs)")
     p.set_defaults(func=run_validate)

@@ -23,7 +23,11 @@ class Fault(Enum):
     SEED_LEAK = "seed-leak"
     KV_WRITE_BLOCK_BOUNDARY_OFF_BY_ONE = "kv-write-block-boundary-off-by-one"
     ABORT_LEAKS_BLOCKS = "abort-leaks-blocks"
+    ABORT_AFTER_FINISH_REWRITES_FINISH = "abort-after-finish-rewrites-finish"
+    CHUNK_ORDER_DEPENDENT_LOGITS_ROW = "chunk-order-dependent-logits-row"
+    DECODE_CONTEXT_AFTER_PREFILL = "decode-context-after-prefill"
     TOP_P_EXCLUDES_CROSSING_TOKEN = "top-p-excludes-crossing-token"
+    ATTENTION_BOUND_INFLATING = "attention-bound-inflating"
 
 
 DESCRIPTIONS = {
@@ -49,9 +53,22 @@ DESCRIPTIONS = {
         "instead of its first (identical batched and alone: only the float64 reference sees it)",
     Fault.ABORT_LEAKS_BLOCKS:
         "aborting a request marks it finished but never returns its KV blocks to the pool",
+    Fault.ABORT_AFTER_FINISH_REWRITES_FINISH:
+        "aborting a request that has finished but is not yet released re-finishes it: its finish_reason "
+        "becomes abort and a second final event is streamed",
+    Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW:
+        "the logits row of a prefill chunk followed by a decode in the same step is read past its end, "
+        "off by the following chunk's length (only orders other than fcfs put a decode after a prefill)",
+    Fault.DECODE_CONTEXT_AFTER_PREFILL:
+        "a decode that follows a prefill chunk in the same step attends with a context one token short, "
+        "missing its own newest key (only orders other than fcfs put a decode after a prefill)",
     Fault.TOP_P_EXCLUDES_CROSSING_TOKEN:
         "the engine's nucleus stops before the token whose cumulative probability crosses top_p (identical "
         "batched and alone, and the reference does not sample: only the sampling oracle sees it)",
+    Fault.ATTENTION_BOUND_INFLATING:
+        "the attention softmax is exp2-based but drops the log2(e) factor, so every score is scaled by ln 2 "
+        "(attention 31% too flat; identical batched and alone: only the float64 reference sees it, and a "
+        "calibration measured with this engine would have adopted its error as float32 noise)",
 }
 FAULTS = {fault.value: DESCRIPTIONS[fault] for fault in Fault}  # name -> what the bug does
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .faults import Fault
+
 
 def rms_norm(x, weight, eps):  # x [..., dim]
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
@@ -92,7 +94,17 @@ def _softmax_rows(scores):  # in place: a decode step calls this per sequence an
     return scores
 
 
-def attend_fast(q, k, v, start, scale):
+def _softmax_rows_exp2_without_log2e(scores):
+    """Fault.ATTENTION_BOUND_INFLATING: the exp2 form of the softmax (exp(s) = exp2(s * log2 e), as fused
+    attention kernels write it) with the log2(e) factor dropped: exp2(s) = exp(s * ln 2), so every score
+    counts ln 2 = 0.69 times what it should -- attention too flat, the same in every batch."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp2(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def attend_fast(q, k, v, start, scale, softmax=_softmax_rows):
     """q [n, H, D] at positions start..start+n-1; k, v [start+n, KVH, D]. -> [n, H*D]
 
     All queries of the chunk in one batched product per kv head, future keys masked."""
@@ -105,11 +117,11 @@ def attend_fast(q, k, v, start, scale):
     if n > 1:
         future = np.arange(context)[None, :] > start + np.arange(n)[:, None]      # [n, ctx]
         scores = np.where(future, np.float32(-np.inf), scores)
-    out = _softmax_rows(scores) @ v.transpose(1, 0, 2)[:, None]                   # [KVH, G, n, D]
+    out = softmax(scores) @ v.transpose(1, 0, 2)[:, None]                         # [KVH, G, n, D]
     return out.transpose(2, 0, 1, 3).reshape(n, num_heads * head_dim)
 
 
-def attend_invariant(q, k, v, start, scale):
+def attend_invariant(q, k, v, start, scale, softmax=_softmax_rows):
     """Like attend_fast, but each query token attends over exactly keys 0..its position, computed as
     the decode of that token alone would compute it: no masked or padded reductions."""
     n, num_heads, head_dim = q.shape
@@ -121,5 +133,14 @@ def attend_invariant(q, k, v, start, scale):
         keys = k[:start + t + 1].transpose(1, 2, 0)                              # [KVH, D, pos+1]
         values = v[:start + t + 1].transpose(1, 0, 2)                            # [KVH, pos+1, D]
         scores = (q_grouped[t] @ keys) * np.float32(scale)                       # [KVH, G, pos+1]
-        out[t] = _softmax_rows(scores) @ values
+        out[t] = softmax(scores) @ values
     return out.reshape(n, num_heads * head_dim)
+
+
+def attention(invariant: bool, fault: Fault | None = None):
+    """The attention kernel of a mode, `attend(q, k, v, start, scale)`: attend_invariant or attend_fast,
+    with the softmax of Fault.ATTENTION_BOUND_INFLATING where that fault is injected."""
+    attend = attend_invariant if invariant else attend_fast
+    if fault is not Fault.ATTENTION_BOUND_INFLATING:
+        return attend
+    return lambda q, k, v, start, scale: attend(q, k, v, start, scale, softmax=_softmax_rows_exp2_without_log2e)

@@ -8,7 +8,9 @@
     engine.add_request("r1", prompt="Hello", params=...)        # or messages=[{role, content}]
     events = engine.step()                       # list[TokenEvent], one per request that got a token
     engine.abort("r1")                           # frees it now; its final TokenEvent (finish_reason
-                                                 # "abort", token_id None) comes out of the next step()
+                                                 # "abort", token_id None) comes out of the next step();
+                                                 # True if it stopped it, False (a no-op) if it had already
+                                                 # finished: a finished request keeps its finish_reason
     outputs = engine.run()                       # steps until has_unfinished() is False
     outputs["r0"].token_ids, .text, .finish_reason, .steps[i].logits_sha256, .ttft_steps, ...
     engine.trace, engine.metrics, engine.status(), engine.check_invariants(), engine.release("r0")
@@ -18,6 +20,9 @@ Defaults: num_blocks=None -> enough for max_num_seqs sequences of min(max_model_
 max_model_len=None -> the model's max_position_embeddings. Serial operation is max_num_seqs=1.
 Every bad input raises RefengineError naming the request or field; the engine stays usable.
 Finished requests are kept (for outputs()) until release(); the trace grows one entry per step.
+Every request gets exactly one final TokenEvent (finish_reason set): the one carrying its last token
+("stop" / "length"), or, for an abort, one with token_id None; aborting a finished request changes
+nothing (returns False, no event), aborting a released one raises RefengineError (unknown id).
 Not thread-safe: one thread drives it (a server serializes add_request/abort/step).
 """
 from __future__ import annotations
@@ -67,6 +72,7 @@ class LLMEngine:
         self._misassign_after_leave = self.config.injected is Fault.LOGITS_ROWS_MISASSIGNED_AFTER_LEAVE
         self._leak_seed = self.config.injected is Fault.SEED_LEAK
         self._cut_crossing_token = self.config.injected is Fault.TOP_P_EXCLUDES_CROSSING_TOKEN
+        self._refinish_on_abort = self.config.injected is Fault.ABORT_AFTER_FINISH_REWRITES_FINISH
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
@@ -92,11 +98,13 @@ class LLMEngine:
         self.sequences[request_id] = seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it had already finished."""
+        """Stop a request now and free its blocks: True, and its final event (finish_reason "abort")
+        comes out of the next step(). False if it had already finished (stopped, ran to its length or
+        was aborted before): a no-op, its output and finish_reason stay as they were and no event follows."""
         seq = self.sequences.get(request_id)
         if seq is None:
             raise RefengineError(f"request {request_id!r}: unknown request id, nothing to abort")
-        if seq.is_finished:
+        if seq.is_finished and not self._refinish_on_abort:  # Fault.ABORT_AFTER_FINISH_REWRITES_FINISH
             return False
         self.scheduler.finish(seq, "abort", self.num_steps)
         self._pending_aborts.append(seq)
@@ -110,6 +118,8 @@ class LLMEngine:
         step, started = self.num_steps, time.perf_counter()
         events = [TokenEvent(s.request_id, step, None, None, None, s.take_text_delta(), "abort")
                   for s in self._pending_aborts]
+        for seq in self._pending_aborts:
+            seq.final_events += 1
         aborted, self._pending_aborts = [s.request_id for s in self._pending_aborts], []
         output = self.scheduler.schedule()
         kv_blocks_used = self.block_manager.num_used_blocks
@@ -140,6 +150,7 @@ class LLMEngine:
                                self.model.config.eos_token_ids)
         if reason is not None:
             self.scheduler.finish(seq, reason, step)
+            seq.final_events += 1
         return TokenEvent(seq.request_id, step, token, record.top2_margin, record.logits_sha256,
                           seq.take_text_delta(), reason, record.top_logprobs, record.logprob)
 
@@ -193,9 +204,15 @@ class LLMEngine:
                 "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size}
 
     def check_invariants(self) -> None:
-        """AssertionError unless the KV accounting adds up and finished requests hold no blocks."""
+        """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every
+        finished request has streamed exactly one final event (an abort's is due in the next step)."""
         finished = [s.block_table for s in self.sequences.values() if s.is_finished]
         self.block_manager.check_invariants(finished)
+        pending = {s.request_id for s in self._pending_aborts}
+        for seq in self.sequences.values():
+            due = int(seq.is_finished and seq.request_id not in pending)
+            assert seq.final_events == due, (f"{seq.request_id}: {seq.final_events} final events streamed, "
+                                             f"expected {due} ({seq.status.value}, finish_reason {seq.finish_reason})")
         for seq in self.scheduler.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table.block_ids, seq
         for seq in self.scheduler.running:

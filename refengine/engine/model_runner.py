@@ -18,8 +18,7 @@ from .config import EngineConfig
 from .faults import Fault
 from .kernels import (
     apply_rope,
-    attend_fast,
-    attend_invariant,
+    attention,
     fast_layout,
     linear_fast,
     linear_invariant,
@@ -78,11 +77,13 @@ class ModelRunner:
             down=project(w.down_proj), down_bias=w.down_bias) for w in weights.layers]
         self.embed, self.norm = _owned(weights.embed), weights.norm
         self.lm_head = self.embed if weights.lm_head is weights.embed and project is _owned else project(weights.lm_head)
-        self.attend = attend_invariant if self.invariant else attend_fast
+        self.attend = attention(self.invariant, config.injected)  # kernels.attention: the fault's code point
         self.block_size = config.block_size
         self.shift_on_join = config.injected is Fault.POSITION_OFF_BY_ONE_ON_JOIN
         self.misplace_block_starts = config.injected is Fault.KV_WRITE_BLOCK_BOUNDARY_OFF_BY_ONE
         self.short_chunk_past = config.injected is Fault.CHUNKED_PREFILL_PAST_OFF_BY_ONE
+        self.row_past_next_chunk = config.injected is Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
+        self.short_decode_after_prefill = config.injected is Fault.DECODE_CONTEXT_AFTER_PREFILL
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # A token's key and value side by side, so a sequence's context is one gather of whole blocks.
         # The whole pool is written now, as a serving engine reserves its pool up front: left to fault in
@@ -106,8 +107,8 @@ class ModelRunner:
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
         offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
-        contexts = [(c, np.asarray(c.seq.block_table.block_ids[:block_manager.blocks_for(c.end)]), lo, hi)
-                    for c, lo, hi in zip(chunks, offsets[:-1], offsets[1:])]
+        contexts = [(c, np.asarray(c.seq.block_table.block_ids[:block_manager.blocks_for(c.end)]), lo, hi,
+                     *self._attended_span(chunks, i)) for i, (c, lo, hi) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))]
         cos, sin = self.cos[positions], self.sin[positions]
         scale = 1.0 / np.sqrt(cfg.head_dim)
         num_tokens, q_size, kv_size = len(ids), cfg.q_size, cfg.kv_size
@@ -128,19 +129,34 @@ class ModelRunner:
             # One chunk at a time, decodes too: a sequence's gathered keys and values (1 MB for the
             # 0.6B shape at 128 tokens) stay in cache for both products, where stacking decodes into
             # one batched product (a copy of every sequence's prefix at once) ran 7% slower per step.
-            for chunk, blocks, lo, hi in contexts:
-                past = chunk.start
-                if self.short_chunk_past and chunk.phase == "prefill" and past > 0:
-                    past -= 1
-                context = self.kv_cache[layer, blocks].reshape(-1, 2, cfg.num_kv_heads, cfg.head_dim)[:chunk.end]
+            for chunk, blocks, lo, hi, past, end in contexts:
+                context = self.kv_cache[layer, blocks].reshape(-1, 2, cfg.num_kv_heads, cfg.head_dim)[:end]
                 attended[lo:hi] = self.attend(q[lo:hi], context[:, 0], context[:, 1], past, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
             half = cfg.intermediate_size
             x = x + self._project(silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
 
-        sampling_rows = [hi - 1 for chunk, hi in zip(chunks, offsets[1:]) if chunk.samples]
+        sampling_rows = [self._sampling_row(chunks, i, hi) for i, (chunk, hi) in enumerate(zip(chunks, offsets[1:]))
+                         if chunk.samples]
         if not sampling_rows:
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
         final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
         return np.ascontiguousarray(self.linear(final, self.lm_head))
+
+    def _attended_span(self, chunks: list[ScheduledChunk], i: int) -> tuple[int, int]:
+        """(past, end) of chunk i's attention: its queries sit at positions past.. and see keys [:end]."""
+        chunk = chunks[i]
+        if self.short_chunk_past and chunk.phase == "prefill" and chunk.start > 0:
+            return chunk.start - 1, chunk.end
+        if self.short_decode_after_prefill and chunk.phase == "decode" and \
+                any(c.phase == "prefill" for c in chunks[:i]):
+            return chunk.start - 1, chunk.end - 1  # Fault.DECODE_CONTEXT_AFTER_PREFILL: misses its own key
+        return chunk.start, chunk.end
+
+    def _sampling_row(self, chunks: list[ScheduledChunk], i: int, end: int) -> int:
+        """The row of the step's activations that holds chunk i's last token (`end`: its rows end there)."""
+        if self.row_past_next_chunk and chunks[i].phase == "prefill" and i + 1 < len(chunks) and \
+                chunks[i + 1].phase == "decode":
+            return end - 1 + chunks[i + 1].num_tokens  # Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
+        return end - 1

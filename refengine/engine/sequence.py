@@ -35,6 +35,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.emitted_text = ""
+        self.final_events = 0  # TokenEvents with a finish_reason streamed so far: exactly 1 once finished
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,9 +6,13 @@ A schedule is 1-MAX_HTTP_REQUESTS requests, all in flight together (one client e
 exactly five draws, so the shrinker can delete whole requests:
 - case: an index into the golden cases (the same case may be drawn more than once);
 - api: `completions`, or `chat` when drawn and the case has chat messages (a chat case sent as a
-  completion carries its golden prompt ids);
+  completion carries its golden prompt ids; to a server that takes no token-id prompts, `id_prompts`
+  False, a chat case always goes as chat);
 - stream: a whole JSON answer, or SSE chunks;
-- arrival: 0-MAX_ARRIVAL_STEPS steps of ARRIVAL_STEP_MS after the schedule starts;
+- arrival: 0-MAX_ARRIVAL_STEPS arrival steps after the schedule starts. The step's length is the
+  server's: its shortest alone answer's latency / (MAX_ARRIVAL_STEPS + 1) (test_http measures it), so
+  every request arrives before any earlier one that runs to completion has finished — requests join
+  a running batch on a fast server and a slow one alike;
 - leave: run to completion, or (streamed only; drawn and ignored for a whole answer) hang up after
   1-MAX_CANCEL_CHUNKS chunks that carry tokens; an answer with no more chunks than that completes.
 Every request is greedy (`temperature: 0`) with the golden `max_tokens`. With `twins`, each drawn
@@ -24,10 +28,9 @@ from dataclasses import dataclass, replace
 from hypothesis import strategies as st
 
 from ..check.golden import Golden
-from ..validate.board import Planned
+from ..validate.plan import Planned
 
 MAX_HTTP_REQUESTS = 6
-ARRIVAL_STEP_MS = 10
 MAX_ARRIVAL_STEPS = 5
 MAX_CANCEL_CHUNKS = 8
 
@@ -38,25 +41,27 @@ class HttpRequest:
     case_id: str
     api: str                  # "completions" | "chat"
     stream: bool
-    arrival_ms: int
+    arrival: int              # arrival steps after the schedule starts
     cancel_after: int | None  # hang up after this many token-carrying chunks; None: run to completion
 
     def __repr__(self) -> str:  # one line per request in Hypothesis's falsifying example
         leave = "to completion" if self.cancel_after is None else f"hang up after {self.cancel_after} chunks"
         return (f"<case {self.case} {self.case_id!r} {self.api} {'streamed' if self.stream else 'whole'} "
-                f"at {self.arrival_ms} ms, {leave}>")
+                f"at step {self.arrival}, {leave}>")
 
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(repr(self))
 
 
 @st.composite
-def http_requests(draw, golden: Golden) -> HttpRequest:
+def http_requests(draw, golden: Golden, id_prompts: bool = True) -> HttpRequest:
+    """`id_prompts` False: the server takes no token-id prompts, so a chat case always goes as chat
+    (the api is still drawn: a request stays five draws)."""
     index = draw(st.integers(0, len(golden.cases) - 1))
     case = golden.cases[index]
-    chat = draw(st.booleans()) and bool(case.messages)
+    chat = (draw(st.booleans()) or not id_prompts) and bool(case.messages)
     stream = draw(st.booleans())
-    arrival = draw(st.integers(0, MAX_ARRIVAL_STEPS)) * ARRIVAL_STEP_MS
+    arrival = draw(st.integers(0, MAX_ARRIVAL_STEPS))
     leave = draw(st.integers(0, MAX_CANCEL_CHUNKS))  # 0: run to completion
     return HttpRequest(index, case.id, "chat" if chat else "completions", stream, arrival,
                        leave if stream and leave else None)
@@ -70,16 +75,21 @@ def twinned(request: HttpRequest) -> list[HttpRequest]:
 
 @st.composite
 def http_schedules(draw, golden: Golden, max_requests: int = MAX_HTTP_REQUESTS,
-                   twins: bool = False) -> list[HttpRequest]:
+                   twins: bool = False, id_prompts: bool = True) -> list[HttpRequest]:
     """With `twins`, every drawn request is followed by its twin (see twinned), so every schedule has
     streamed and whole answers of one case to compare; max_requests still bounds the whole list."""
     if not twins:
-        return draw(st.lists(http_requests(golden), min_size=1, max_size=max_requests))
-    drawn = draw(st.lists(http_requests(golden), min_size=1, max_size=max(1, max_requests // 2)))
+        return draw(st.lists(http_requests(golden, id_prompts), min_size=1, max_size=max_requests))
+    drawn = draw(st.lists(http_requests(golden, id_prompts), min_size=1, max_size=max(1, max_requests // 2)))
     return [request for each in drawn for request in twinned(each)]
 
 
-def planned_requests(schedule: list[HttpRequest], golden: Golden) -> list[Planned]:
-    """The schedule as refengine.validate requests, ids r0, r1, ... in schedule order."""
-    return [Planned(f"r{n}", golden.cases[r.case], r.api, r.arrival_ms / 1000, r.stream, r.cancel_after)
+def arrival_step_s(shortest_alone_latency_s: float) -> float:
+    return shortest_alone_latency_s / (MAX_ARRIVAL_STEPS + 1)
+
+
+def planned_requests(schedule: list[HttpRequest], golden: Golden, step_s: float) -> list[Planned]:
+    """The schedule as refengine.validate requests, ids r0, r1, ... in schedule order; arrival steps
+    of `step_s` seconds."""
+    return [Planned(f"r{n}", golden.cases[r.case], r.api, round(r.arrival * step_s, 4), r.stream, r.cancel_after)
             for n, r in enumerate(schedule)]

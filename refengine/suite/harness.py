@@ -134,7 +134,7 @@ def check(name: str, model_name: str, schedule: dict, against: str = "serial", o
     model = tiny_model(model_name)
     needs_calibration = schedule["engine"]["mode"] == "fast" or against == "reference"
     result = replay(model, parse_schedule(schedule, name), against=against, other_budget=other_budget, fault=fault,
-                    calibration=calibration_for(model) if needs_calibration else None, baselines=baselines,
+                    calibration=calibration_for(model, model_name) if needs_calibration else None, baselines=baselines,
                     on_events=on_events)
     observe(schedule, result.trace)
     if result.tolerance and currently_in_test_context():

@@ -1,16 +1,17 @@
 """Server dialects, learned from what the server sends (no configuration).
 
 Every request carries `"return_token_ids": true` (vLLM reports ids only then; refengine and llama.cpp
-ignore it). A server that refuses it by name (HF `transformers serve`: HTTP 422 "Unexpected keys")
-gets the request again without it, and no later request carries it.
-
-Logprobs change nothing validate judges, so they are asked for only where they are the one place a
-server reports generated ids (llama.cpp). Before the run, one probe per API in the plan (the case with
-the shortest prompt, `max_tokens: 1`, whole): an answer with ids settles it; one without is probed
-again with logprobs (`logprobs: true, top_logprobs: 1` for chat, `logprobs: 1` for completions). When
-ids come back only then, every request of that API asks for logprobs — and, streamed, for
+ignore it) and asks for the top TOP_LOGPROBS logprobs of every token (`logprobs: true,
+top_logprobs: 2` for chat, `logprobs: 2` for completions; streamed, also
 `stream_options.include_usage`, so ids a stream left out show as a count that differs from the
-server's own (wire.checked). Otherwise that API is judged by text.
+server's own: wire.checked). Logprobs are where llama.cpp reports generated ids, where the serial
+baseline finds the server's own top-2 margins, and what the precision report compares with the
+golden file. A server that refuses one of these fields by name (HF `transformers serve`: HTTP 422
+"Unexpected keys") gets the request again without it, and no later request carries it.
+
+Before the run, one probe per API in the plan (the case with the shortest prompt, `max_tokens: 1`,
+whole) learns where the server reports generated ids, whether it reports prompt ids and logprobs.
+An API whose answers carry no ids is judged by text.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .client import Completion, Endpoint, ServerError
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 RETURN_TOKEN_IDS = "return_token_ids"
 LOGPROB_KEYS = ("logprobs", "top_logprobs", "stream_options")
+TOP_LOGPROBS = 2  # the top-2 margin needs two
 REFUSAL_STATUSES = (400, 404, 422)
 
 
@@ -30,9 +32,10 @@ class Dialect:
     def __init__(self):
         self._lock = threading.Lock()
         self.return_token_ids_refused = False
-        self.logprobs: dict[str, bool] = {}         # api -> ask for logprobs (probed: ids only there)
+        self.logprobs_refused: set[str] = set()     # apis whose requests go without logprobs
         self.ids_from: dict[str, str | None] = {}   # api -> where the probe found generated ids
         self.prompt_ids: dict[str, bool] = {}       # api -> the probe's answer reported prompt ids
+        self.logprobs_reported: dict[str, bool] = {}  # api -> the probe's answer carried logprobs
         self.probe_errors: dict[str, str] = {}
         self.probe_requests = 0
         self.resent = 0                             # run requests sent again without a refused field
@@ -43,11 +46,11 @@ class Dialect:
         body = dict(body)
         if not self.return_token_ids_refused:
             body[RETURN_TOKEN_IDS] = True
-        if self.logprobs.get(api):
+        if api not in self.logprobs_refused:
             if api == "chat":
-                body |= {"logprobs": True, "top_logprobs": 1}
+                body |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
             else:
-                body["logprobs"] = 1
+                body["logprobs"] = TOP_LOGPROBS
             if body.get("stream"):
                 body["stream_options"] = {**body.get("stream_options", {}), "include_usage": True}
         return body
@@ -61,8 +64,9 @@ class Dialect:
             if RETURN_TOKEN_IDS in sent and RETURN_TOKEN_IDS not in base and RETURN_TOKEN_IDS in message:
                 self.return_token_ids_refused = True
                 return True
-            if self.logprobs.get(api) and any(k in message for k in LOGPROB_KEYS if k in sent and k not in base):
-                self.logprobs[api] = False
+            if api not in self.logprobs_refused and any(k in message for k in LOGPROB_KEYS
+                                                         if k in sent and k not in base):
+                self.logprobs_refused.add(api)
                 return True
         return False
 
@@ -75,7 +79,8 @@ class Dialect:
 
     def report(self) -> dict:
         """The report's `dialect` object."""
-        apis = {api: {"token_ids_from": self.ids_from.get(api), "logprobs_requested": self.logprobs.get(api, False),
+        apis = {api: {"token_ids_from": self.ids_from.get(api), "logprobs_requested": api not in self.logprobs_refused,
+                      "logprobs": self.logprobs_reported.get(api, False),
                       "prompt_token_ids": self.prompt_ids.get(api, False)}
                 for api in sorted(set(self.ids_from) | set(self.probe_errors))}
         out = {"return_token_ids": "refused" if self.return_token_ids_refused else "sent",
@@ -109,22 +114,30 @@ def send(endpoint: Endpoint, api: str, base: dict, cancel_after: int | None, dia
 
 
 def probe(endpoint: Endpoint, bodies: dict[str, dict], dialect: Dialect) -> None:
-    """Learn, per API, where the server reports generated ids (see the module docstring). `bodies`:
-    api -> a whole request body of one golden case."""
+    """Learn, per API, what the server reports (see the module docstring). `bodies`: api -> a whole
+    request body of one case."""
     for api, body in bodies.items():
-        body = {**body, "stream": False, "max_tokens": 1}
         try:
-            answer = send(endpoint, api, body, None, dialect, probe=True)
-            if answer.token_ids is None:
-                dialect.logprobs[api] = True
-                answer = send(endpoint, api, body, None, dialect, probe=True)
-                dialect.logprobs[api] = answer.token_ids is not None
+            answer = send(endpoint, api, {**body, "stream": False, "max_tokens": 1}, None, dialect, probe=True)
         except (ServerError, OSError) as e:
-            dialect.logprobs[api] = False
             dialect.probe_errors[api] = str(e) or type(e).__name__
             continue
         dialect.ids_from[api] = answer.ids_from
         dialect.prompt_ids[api] = answer.prompt_token_ids is not None
+        dialect.logprobs_reported[api] = answer.logprobs is not None
+
+
+def accepts_id_prompts(endpoint: Endpoint, served_name: str, prompt_ids: list[int]) -> bool:
+    """Whether /v1/completions takes a prompt given as token ids: HF `transformers serve` refuses
+    one (HTTP 400 "prompt must be a string"), so a chat case can reach it only as chat."""
+    body = {"model": served_name, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "stream": False}
+    try:
+        endpoint.complete(PATHS["completions"], body)
+    except ServerError as e:
+        if e.status in REFUSAL_STATUSES:
+            return False
+        raise
+    return True
 
 
 def dialect_notes(dialect: dict | None) -> list[str]:
@@ -133,10 +146,15 @@ def dialect_notes(dialect: dict | None) -> list[str]:
         return []
     notes = []
     for api, d in dialect["apis"].items():
-        if d["logprobs_requested"]:
-            notes.append(f"note: {api}: the server reports token ids only in logprobs; they were requested")
-        elif d["token_ids_from"] is None and api not in dialect.get("probe_errors", {}):
+        if api in dialect.get("probe_errors", {}):
+            continue
+        if d["token_ids_from"] == "logprobs":
+            notes.append(f"note: {api}: the server reports token ids only in logprobs")
+        elif d["token_ids_from"] is None:
             notes.append(f"note: {api}: the server reports no token ids; answers compared by text")
+        if not d.get("logprobs"):
+            notes.append(f"note: {api}: the server reports no logprobs" + ("" if d["logprobs_requested"]
+                                                                          else " (it refuses the fields)"))
     if dialect["return_token_ids"] == "refused":
         notes.append("note: the server refuses return_token_ids; requests were sent without it")
     if dialect["streams_without_done"]:

@@ -7,12 +7,25 @@ Generated ids, first found wins per choice: `choices[i].token_ids` (refengine; v
 logprobs), a list of ints in `choices[i].tokens` or the object's `tokens` (llama.cpp's own format).
 Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the object's
 `prompt_token_ids` (vLLM chat).
+Logprobs, per generated token: chat's `logprobs.content[].logprob` with `.top_logprobs[].logprob`,
+or completions' `logprobs.token_logprobs[]` with `logprobs.top_logprobs[]` (token -> logprob).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 IDS_FIELDS = ("token_ids", "logprobs", "tokens")  # where generated ids were found (Completion.ids_from)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float | None    # the generated token's, as the server reports it
+    top: tuple[float, ...]   # the server's best alternatives' logprobs, best first
+
+    @property
+    def margin(self) -> float | None:
+        """The server's own top-2 margin (a logprob difference is a logit difference)."""
+        return self.top[0] - self.top[1] if len(self.top) >= 2 else None
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,7 @@ class Completion:
     ids_from: str | None = None         # one of IDS_FIELDS, None when no ids
     done_marker: bool | None = None     # streamed: whether `data: [DONE]` ended it; None: not streamed
     note: str | None = None             # why ids were set aside, when they were
+    logprobs: list[TokenLogprob] | None = None  # per generated token; None: not reported (for every token)
 
 
 def _ints(value) -> list[int] | None:
@@ -51,6 +65,34 @@ def logprob_ids(choice: dict) -> list[int] | None:
         return None
     ids = [_dict(entry).get("id", _dict(entry).get("token_id")) for entry in content]
     return _ints(ids)
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _best_first(values) -> tuple[float, ...]:
+    return tuple(sorted((v for v in map(_number, values) if v is not None), reverse=True))
+
+
+def token_logprobs(choice: dict) -> list[TokenLogprob] | None:
+    """The choice's per-token logprobs in either API's shape; None when it carries none."""
+    logprobs = _dict(choice.get("logprobs"))
+    content = logprobs.get("content")
+    if isinstance(content, list) and content:
+        entries = [_dict(e) for e in content]
+        return [TokenLogprob(_number(e.get("logprob")),
+                             _best_first(_dict(t).get("logprob") for t in _list(e.get("top_logprobs"))))
+                for e in entries]
+    chosen, top = logprobs.get("token_logprobs"), logprobs.get("top_logprobs")
+    if not isinstance(chosen, list) or not chosen:
+        return None
+    top = top if isinstance(top, list) and len(top) == len(chosen) else [None] * len(chosen)
+    return [TokenLogprob(_number(lp), _best_first(_dict(alternatives).values())) for lp, alternatives in zip(chosen, top)]
 
 
 def generated_ids(choice: dict, obj: dict) -> tuple[list[int] | None, str | None]:
@@ -95,7 +137,13 @@ def whole(data: dict) -> Completion:
     ids, note = checked(ids, ids_from, usage_tokens(data))
     finish = choice.get("finish_reason")
     return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
-                      cancelled=False, ids_from=ids_from if ids is not None else None, note=note)
+                      cancelled=False, ids_from=ids_from if ids is not None else None, note=note,
+                      logprobs=counted(token_logprobs(choice), ids))
+
+
+def counted(logprobs: list[TokenLogprob] | None, ids: list[int] | None) -> list[TokenLogprob] | None:
+    """Logprobs that cannot be lined up with the generated ids are not reported ones."""
+    return None if logprobs is not None and ids is not None and len(logprobs) != len(ids) else logprobs
 
 
 class Stream:
@@ -111,6 +159,8 @@ class Stream:
         self.finish_reason: str | None = None
         self.usage: int | None = None
         self.chunks = 0  # chunks that carried tokens (text or ids)
+        self.logprobs: list[TokenLogprob] = []
+        self.tokens_without_logprobs = False
 
     def add(self, chunk: dict) -> None:
         self.usage = usage_tokens(chunk) if usage_tokens(chunk) is not None else self.usage
@@ -131,12 +181,18 @@ class Stream:
             finish = choice.get("finish_reason")
             self.finish_reason = finish if isinstance(finish, str) and finish else self.finish_reason
             self.chunks += bool(text or ids)
+            logprobs = token_logprobs(choice)
+            if logprobs is not None:
+                self.logprobs += logprobs
+            elif text or ids:
+                self.tokens_without_logprobs = True
         if self.prompt_ids is None and not choices:
             self.prompt_ids = _ints(chunk.get("prompt_token_ids"))
 
     def completion(self, cancelled: bool, done_marker: bool | None) -> Completion:
         reported = self.ids_from is not None and not self.text_without_ids
         ids, note = checked(self.ids if reported else None, self.ids_from, None if cancelled else self.usage)
+        logprobs = None if self.tokens_without_logprobs or not self.logprobs else counted(self.logprobs, ids)
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
-                          done_marker=done_marker, note=note)
+                          done_marker=done_marker, note=note, logprobs=logprobs)

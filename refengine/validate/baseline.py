@@ -1,0 +1,113 @@
+"""What a loaded answer is judged against, by the one margin rule (check.margin_rule):
+
+- golden: the float64 reference's tokens in a golden file; a divergence is explained at a golden
+  top-2 margin within the calibrated float32 noise bound (or --margin-tolerance).
+- serial: the same server's answer to the same request sent alone, nothing else in flight: batch
+  invariance ON the device, for any precision, with no golden file or model folder. A divergence is
+  explained only at the server's OWN top-2 margin there (from the logprobs of its alone answer)
+  within the tolerance, 0 by default (bit-identical); a server without logprobs is held strictly.
+
+Each baseline turns (planned request, completion) into the report's verdict fields (FORMATS.md).
+"""
+from __future__ import annotations
+
+from ..check.golden import Golden
+from ..check.margin_rule import (
+    CONTEXT_CHARS,
+    Verdict,
+    first_divergence,
+    judge_ids,
+    judge_text,
+)
+from .client import Completion
+from .plan import Planned
+
+
+def record_fields(v: Verdict) -> dict:
+    """A verdict as the validation report's request fields (FORMATS.md): `step` is the generated-token index."""
+    if v.kind == "match":  # a text match may note golden tokens left unsettled at the end (judge_text)
+        return {"verdict": "match", "compared_by": v.compared_by, **({"note": v.reason} if v.reason else {})}
+    return {"verdict": v.kind, "compared_by": v.compared_by, "step": v.index, "margin": v.margin,
+            "expected": v.want, "got": v.got, "expected_text": v.want_text, "got_text": v.got_text}
+
+
+def prompt_mismatch(want: list[int] | None, got: list[int] | None, what: str) -> str | None:
+    if got is None or want is None or got == want:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"the server's prompt ids differ from the {what} at position {at} "
+            f"({len(got)} vs {len(want)} ids): different tokenizer or chat template")
+
+
+def error(message: str) -> dict:
+    return {"verdict": "error", "error": message}
+
+
+class GoldenBaseline:
+    name = "golden"
+
+    def __init__(self, golden: Golden, tolerance: float):
+        self.golden, self.tolerance = golden, tolerance
+
+    def judge(self, p: Planned, completion: Completion) -> dict:
+        case = p.case
+        mismatch = prompt_mismatch(case.prompt_ids, completion.prompt_token_ids, "golden prompt")
+        if mismatch:
+            return error(mismatch)
+        if completion.token_ids is None and case.text_offsets is None:
+            return error("the server reports no token ids and the golden file has no text_offsets to align "
+                         "its text with; refresh it")
+        if completion.token_ids is not None:
+            verdict = judge_ids(case, completion.token_ids, completion.text, self.tolerance)
+        else:
+            verdict = judge_text(case, completion.text, self.tolerance)
+        if verdict.kind == "match" and completion.finish_reason != case.finish_reason:
+            return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
+                         f"golden {case.finish_reason!r}")
+        return record_fields(verdict)
+
+
+def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:
+    """A loaded answer against the same server's alone answer: by token ids when both carry them,
+    else by text (strict: the text has no token positions to find a margin at; only an incomplete
+    character at the end, which one answer held back and the other flushed, may differ)."""
+    parted = next((i for i, (a, b) in enumerate(zip(alone.text, got.text)) if a != b),
+                  min(len(alone.text), len(got.text)))
+    texts = {"want_text": alone.text[parted:parted + CONTEXT_CHARS], "got_text": got.text[parted:parted + CONTEXT_CHARS]}
+    if alone.token_ids is None or got.token_ids is None:
+        if got.text == alone.text:
+            return Verdict(case_id, "match", "text", tolerance=tolerance)
+        if got.text.rstrip("\ufffd") == alone.text.rstrip("\ufffd"):  # an incomplete last character held back
+            return Verdict(case_id, "match", "text", tolerance=tolerance,
+                           reason="the answers differ only in an incomplete character at the end")
+        return Verdict(case_id, "diverged", "text", reason=f"the texts part at character {parted}",
+                       tolerance=tolerance, **texts)
+    want_ids, got_ids = alone.token_ids, got.token_ids
+    index = next((i for i, (a, b) in enumerate(zip(want_ids, got_ids)) if a != b), min(len(want_ids), len(got_ids)))
+    if want_ids == got_ids:
+        return Verdict(case_id, "match", "token_ids", tolerance=tolerance)
+    margins = [t.margin for t in alone.logprobs] if alone.logprobs is not None else []
+    margin = margins[index] if index < len(margins) and index < len(want_ids) else None
+    reason = "" if margin is not None or index >= len(want_ids) else "the server reports no top-2 logprobs there"
+    return Verdict(case_id, first_divergence(margin, tolerance), "token_ids", reason=reason, index=index,
+                   got=got_ids[index] if index < len(got_ids) else None,
+                   want=want_ids[index] if index < len(want_ids) else None, margin=margin, tolerance=tolerance,
+                   **texts)
+
+
+class SerialBaseline:
+    name = "serial"
+
+    def __init__(self, alone: dict[tuple[str, str], Completion], tolerance: float):
+        self.alone, self.tolerance = alone, tolerance  # (case id, api) -> the answer sent alone
+
+    def judge(self, p: Planned, completion: Completion) -> dict:
+        alone = self.alone[p.case.id, p.api]
+        mismatch = prompt_mismatch(alone.prompt_token_ids, completion.prompt_token_ids, "prompt ids of its alone answer")
+        if mismatch:
+            return error(mismatch)
+        verdict = judge_serial(p.case.id, alone, completion, self.tolerance)
+        if verdict.kind == "match" and completion.finish_reason != alone.finish_reason:
+            return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
+                         f"alone {alone.finish_reason!r}")
+        return record_fields(verdict)

@@ -1,0 +1,113 @@
+"""What board validation sends: its settings, the random join/leave schedule of the cases (fixed by
+the seed), and each request's body. A case comes from a golden file (GoldenCase) or a prompts file
+(PromptCase): requests need only its prompt or messages and max_tokens.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ..check.golden import GoldenCase, PromptCase
+from ..errors import RefengineError
+
+APIS = ("auto", "completions", "chat")
+BASELINES = ("golden", "serial")
+
+
+@dataclass(frozen=True)
+class Settings:
+    concurrency: int = 4
+    seed: int = 0
+    cancel_rate: float = 0.2
+    margin_tolerance: float | None = None  # None: golden's calibrated noise bound; serial: 0 (bit-identical)
+    api: str = "auto"
+    arrival_spread: float | None = None    # seconds over which arrivals are spread; None: from the alone latency
+    repeat: int = 1
+    timeout: float = 600.0
+    baseline: str = "golden"
+
+    def __post_init__(self):
+        if self.concurrency < 1:
+            raise RefengineError(f"concurrency: must be >= 1, got {self.concurrency}")
+        if not 0 <= self.cancel_rate < 1:
+            raise RefengineError(f"cancel_rate: must be in [0, 1), got {self.cancel_rate}")
+        if self.margin_tolerance is not None and self.margin_tolerance < 0:
+            raise RefengineError(f"margin_tolerance: must be >= 0, got {self.margin_tolerance}")
+        if self.api not in APIS:
+            raise RefengineError(f"api: expected one of {', '.join(APIS)}, got {self.api!r}")
+        if self.arrival_spread is not None and self.arrival_spread < 0:
+            raise RefengineError(f"arrival_spread: must be >= 0 seconds, got {self.arrival_spread}")
+        if self.repeat < 1:
+            raise RefengineError(f"repeat: must be >= 1, got {self.repeat}")
+        if not self.timeout > 0:
+            raise RefengineError(f"timeout: must be > 0 seconds, got {self.timeout}")
+        if self.baseline not in BASELINES:
+            raise RefengineError(f"baseline: expected one of {', '.join(BASELINES)}, got {self.baseline!r}")
+
+
+@dataclass(frozen=True)
+class Planned:
+    id: str
+    case: GoldenCase | PromptCase
+    api: str                 # "completions" | "chat"
+    arrival_s: float
+    stream: bool
+    cancel_after: int | None  # hang up after this many token-carrying chunks
+
+
+def case_api(case, api: str, source) -> str:
+    """The API a case goes to under `api` (auto: chat cases to chat, text prompts to completions)."""
+    if api == "chat" and not case.messages:
+        raise RefengineError(f"{source}: case {case.id!r} is a raw text prompt; api chat needs "
+                             f"chat messages (use api auto or completions)")
+    if api == "completions" and case.messages and getattr(case, "prompt_ids", None) is None:
+        raise RefengineError(f"{source}: case {case.id!r} is a chat case without prompt ids; api completions "
+                             f"sends a golden file's prompt ids (use api auto or chat, or a golden file)")
+    return "chat" if case.messages and api != "completions" else "completions"
+
+
+def plan(cases: list, settings: Settings, spread: float, source="cases") -> list[Planned]:
+    """The random join/leave schedule, fixed by the seed; arrivals uniform over `spread` seconds. A
+    request may hang up only where its case's answer has at least two tokens to come."""
+    rng = random.Random(settings.seed)
+    planned = []
+    for copy in range(settings.repeat):
+        for case in cases:
+            api = case_api(case, settings.api, source)
+            cancel = expected_length(case) > 1 and rng.random() < settings.cancel_rate
+            planned.append(Planned(
+                case.id if settings.repeat == 1 else f"{case.id}#{copy}", case, api,
+                round(rng.uniform(0, 1) * spread, 3), stream=cancel or rng.random() < 0.5,
+                cancel_after=rng.randint(1, expected_length(case) - 1) if cancel else None))
+    return sorted(planned, key=lambda p: p.arrival_s)
+
+
+def expected_length(case) -> int:
+    """Tokens the answer is expected to have: the golden answer's, else max_tokens."""
+    token_ids = getattr(case, "token_ids", None)
+    return len(token_ids) if token_ids is not None else case.max_tokens
+
+
+def request_body(p: Planned, served_model: str) -> dict:
+    body = {"model": served_model, "max_tokens": p.case.max_tokens, "temperature": 0, "stream": p.stream}
+    if p.api == "chat":
+        body["messages"] = p.case.messages
+        if p.case.chat_template_kwargs is not None:  # the template arguments the golden prompt was rendered with
+            body["chat_template_kwargs"] = p.case.chat_template_kwargs
+    else:  # chat cases sent as completions carry the golden prompt ids: exactly the tokens the reference saw
+        body["prompt"] = p.case.prompt if p.case.prompt is not None else p.case.prompt_ids
+    return body
+
+
+def prompt_size(case) -> int:
+    prompt_ids = getattr(case, "prompt_ids", None)
+    return len(prompt_ids) if prompt_ids is not None else len(case.prompt or "") + len(str(case.messages or ""))
+
+
+def probe_bodies(planned: list[Planned], served_name: str) -> dict[str, dict]:
+    """Per API in the plan, the request body of its case with the shortest prompt (the dialect probe)."""
+    shortest = {}
+    for p in planned:
+        if p.api not in shortest or prompt_size(p.case) < prompt_size(shortest[p.api].case):
+            shortest[p.api] = p
+    return {api: request_body(p, served_name) for api, p in sorted(shortest.items())}

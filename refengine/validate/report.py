@@ -1,0 +1,79 @@
+"""The validation report as people read it: one line per request, the margin rule's account of
+each divergence, then the run's settings, load, dialect and drain, and the verdict."""
+from __future__ import annotations
+
+from ..check.margin_rule import Verdict, describe
+from .dialect import dialect_notes
+from .load import MIN_OVERLAP_FRACTION, VERDICTS
+from .precision import format_precision
+
+
+def describe_record(r: dict, tolerance: float, baseline: str = "golden") -> str:
+    """The margin rule's diff for an `explained` or `diverged` record."""
+    verdict = Verdict(r["id"], r["verdict"], r["compared_by"], index=r["step"], got=r["got"], want=r["expected"],
+                      margin=r["margin"], tolerance=tolerance, want_text=r["expected_text"], got_text=r["got_text"])
+    return describe(verdict, "got", "golden" if baseline == "golden" else "alone")
+
+
+def _detail(r: dict) -> str:
+    if r["verdict"] == "match":
+        return f"{r['tokens'] if r['tokens'] is not None else '?'} tokens, by {r['compared_by']}"
+    if r["verdict"] in ("explained", "diverged"):
+        if r["step"] is None:
+            return f"the texts part, by {r['compared_by']}"
+        if r["margin"] is not None:
+            margin = f"margin {r['margin']:.4g}"
+        else:
+            margin = "baseline answer ended" if r["expected"] is None else "no margin known (strict)"
+        return f"step {r['step']}, {margin}, by {r['compared_by']}"
+    if r["verdict"] == "cancelled":
+        return "client hung up mid-stream"
+    return r["error"]
+
+
+def inconclusive_advice(report: dict) -> str:
+    load, s = report["overlap"], report["settings"]
+    return (f"INCONCLUSIVE: only {load['overlapped']} of {load['compared']} compared requests overlapped another "
+            f"(at most {load['max_in_flight']} in flight; {MIN_OVERLAP_FRACTION:.0%} needed): the server was not "
+            f"tested under join/leave load. Raise the concurrency (now {s['concurrency']}), shorten the arrival "
+            f"spread (now {s['arrival_spread_s']}s) or repeat the cases")
+
+
+def format_report(report: dict) -> str:
+    s, summary, load = report["settings"], report["summary"], report["overlap"]
+    width = max(len(r["id"]) for r in report["requests"])
+    lines = [f"{'request':<{width}}  {'api':<11}  {'stream':<6}  {'sent':>6}  {'latency':>7}  {'with':>4}  "
+             f"{'verdict':<9}  detail"]
+    for r in sorted(report["requests"], key=lambda r: r["sent_s"]):
+        lines.append(f"{r['id']:<{width}}  {r['api']:<11}  {'yes' if r['streamed'] else 'no':<6}  "
+                     f"{r['sent_s']:>5.2f}s  {r['latency_s']:>6.2f}s  {r['overlapped_with']:>4}  {r['verdict']:<9}  "
+                     f"{_detail(r)}")
+    for r in report["requests"]:
+        if r["verdict"] in ("explained", "diverged"):
+            lines.append(describe_record(r, s["tolerance"], report["baseline"]))
+    for r in report["alone"]:
+        if r["verdict"] == "error":
+            lines.append(f"alone {r['id']}: error: {r['error']}")
+    against = (f"the golden file {report['golden']}" if report["baseline"] == "golden"
+               else f"its own alone answers to {report['source']}")
+    lines.append(
+        f"validate {report['url']} (served model {report['server']['model']!r}) against {against}: "
+        f"{summary['requests']} requests, concurrency {s['concurrency']}, seed {s['seed']}, cancel rate "
+        f"{s['cancel_rate']}, tolerance {s['tolerance']:.6g} ({s['tolerance_from']}), {summary['wall_s']:.2f}s")
+    spread_from = {"settings": "given", "repro": "as in the repro"}.get(s["arrival_spread_from"]) or \
+        f"from the alone latency {s['alone_latency_s']:.3g}s"
+    lines.append(f"load: arrivals over {s['arrival_spread_s']:.3g}s ({spread_from}); at most {load['max_in_flight']} "
+                 f"in flight; {load['overlapped']} of {load['compared']} compared requests overlapped another"
+                 + (" (a replayed repro needs no overlap)" if s["arrival_spread_from"] == "repro" else ""))
+    server_fingerprint = report["server"]["fingerprint"]
+    if server_fingerprint and report["model_fingerprint"] and server_fingerprint != report["model_fingerprint"]:
+        lines.append(f"note: the server reports model {server_fingerprint}, the golden file was made from "
+                     f"{report['model_fingerprint']} (expected for a converted or quantized model)")
+    lines += dialect_notes(report.get("dialect"))
+    if report.get("precision"):
+        lines += format_precision(report["precision"])
+    lines.append(f"drain: {report['drain']['note']}")
+    if summary["verdict"] == "INCONCLUSIVE":
+        lines.append(inconclusive_advice(report))
+    lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS) + f" -> {summary['verdict']}")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""`refengine validate`'s baselines and its overlap rule against real `refengine serve` instances on
+127.0.0.1 (in-process OpenAIServer), healthy and with catalogued batching faults:
+
+- the default run (golden baseline, arrival spread from the measured alone latency) fails each of
+  the join/leave faults, and the preemption fault on a pool small enough to preempt;
+- `--prompts FILE --baseline serial` needs no golden file: the same server's alone answers are the
+  baseline, bit-identical by default; it fails the join/leave faults and passes a clean server;
+- a run whose requests did not overlap is INCONCLUSIVE (exit 1) and writes a repro.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from refengine.check.golden import read_golden
+from refengine.cli import main
+from refengine.data import shipped
+from refengine.engine import EngineConfig
+from refengine.serve import OpenAIServer
+from refengine.validate.baseline import judge_serial
+from refengine.validate.board import send_alone, served_model
+from refengine.validate.client import Endpoint
+from refengine.validate.plan import Planned
+from refengine.validate.wire import Completion
+
+GOLDEN = shipped("golden", "tiny-default.jsonl")
+JOIN_LEAVE_FAULTS = ("position-off-by-one-on-join", "logits-rows-misassigned-after-leave")
+SMALL_POOL = {"num_blocks": 48, "block_size": 4}  # 192 tokens: the longest case fits, four at once do not
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    """The golden file's cases as a plain prompts file (FORMATS.md "Prompts"): no expected answers."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = []
+    for case in read_golden(GOLDEN).cases:
+        entry = {"id": case.id, "max_tokens": case.max_tokens}
+        entry |= {"messages": case.messages} if case.messages else {"prompt": case.prompt}
+        lines.append(json.dumps(entry))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def serve(tiny_model):
+    servers = []
+
+    def start(fault=None, **engine):
+        server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault, **engine), host="127.0.0.1")
+        server.start()
+        servers.append(server)
+        return server.url
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def validate(tmp_path, *args) -> tuple[int, dict]:
+    report = tmp_path / "report.json"
+    code = main(["validate", *args, "--report", str(report), "--repro", str(tmp_path / "repro.json")])
+    return code, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("fault", JOIN_LEAVE_FAULTS)
+def test_the_default_run_and_the_serial_baseline_fail_a_join_leave_fault(serve, tmp_path, prompts_file, fault):
+    url = serve(fault)
+    code, report = validate(tmp_path, "--url", url, "--golden", str(GOLDEN))
+    assert code == 1 and report["summary"]["verdict"] == "FAIL" and report["summary"]["diverged"] > 0
+    assert report["settings"]["arrival_spread_from"] == "alone latency" and report["overlap"]["proven"]
+    code, report = validate(tmp_path, "--url", url, "--prompts", str(prompts_file))
+    assert code == 1 and report["baseline"] == "serial" and report["golden"] is None
+    assert report["summary"]["diverged"] > 0 and report["settings"]["tolerance"] == 0
+    assert (tmp_path / "repro.json").exists()
+
+
+def test_the_default_run_fails_stale_block_tables_after_preemption(serve, tmp_path):
+    code, report = validate(tmp_path, "--url", serve("stale-block-table-after-preemption", **SMALL_POOL),
+                            "--golden", str(GOLDEN))
+    assert code == 1 and report["summary"]["verdict"] == "FAIL" and report["summary"]["error"] == 0
+    assert report["summary"]["diverged"] > 0 or not report["drain"]["drained"]
+
+
+@pytest.mark.parametrize("engine", [{}, SMALL_POOL], ids=["default-pool", "small-pool"])
+def test_a_clean_server_passes_the_serial_baseline_bit_identical(serve, tmp_path, prompts_file, engine):
+    code, report = validate(tmp_path, "--url", serve(**engine), "--prompts", str(prompts_file),
+                            "--cancel-rate", "0.3", "--repeat", "2")
+    assert code == 0, report["summary"]
+    compared = [r for r in report["requests"] if r["verdict"] != "cancelled"]
+    assert compared and {r["verdict"] for r in compared} == {"match"}
+    assert {r["compared_by"] for r in compared} == {"token_ids"}
+    assert len(report["alone"]) == len(read_golden(GOLDEN).cases)  # each case once alone, before the load
+    assert all(r["logprobs"] for r in report["alone"])  # the server's own margins are at hand
+    assert report["overlap"]["fraction"] >= 0.5 and report["overlap"]["max_in_flight"] > 1
+    assert not (tmp_path / "repro.json").exists()
+
+
+def test_a_run_without_overlap_is_inconclusive_and_says_how_to_fix_it(serve, tmp_path, capsys):
+    code, report = validate(tmp_path, "--url", serve(), "--golden", str(GOLDEN), "--concurrency", "1",
+                            "--cancel-rate", "0")
+    out = capsys.readouterr().out
+    assert code == 1 and report["summary"]["verdict"] == "INCONCLUSIVE"
+    assert report["summary"]["diverged"] == report["summary"]["error"] == 0
+    assert report["overlap"] == {**report["overlap"], "max_in_flight": 1, "overlapped": 0, "proven": False}
+    assert "INCONCLUSIVE: only 0 of" in out
+    repro = json.loads((tmp_path / "repro.json").read_text())
+    assert [r["id"] for r in repro["requests"]] == [r["id"] for r in report["requests"]]
+
+
+def alone_answer(url: str) -> Completion:
+    """The longest golden case answered alone by the server (whole, with logprobs)."""
+    golden = read_golden(GOLDEN)
+    case = max(golden.cases, key=lambda c: len(c.token_ids))
+    endpoint = Endpoint(url, 30)
+    kept, _ = send_alone(endpoint, [Planned(case.id, case, "completions", 0.0, False, None)],
+                         served_model(endpoint)["id"], None)
+    return kept.answers[case.id, "completions"]
+
+
+def test_a_serial_divergence_is_explained_only_at_the_servers_own_margin(serve):
+    alone = alone_answer(serve())
+    margins = [t.margin for t in alone.logprobs]  # None where two alternatives share a text (completions' dict)
+    known = [i for i, m in enumerate(margins) if m is not None]
+    assert len(known) > len(margins) // 2 and all(margins[i] >= 0 for i in known)
+    step = min(known, key=margins.__getitem__)  # the server's own nearest tie
+    flipped = Completion(alone.text, alone.token_ids[:step] + [alone.token_ids[step] + 1], None, "length", False)
+    assert judge_serial("c", alone, alone, 0.0).kind == "match"
+    strict = judge_serial("c", alone, flipped, 0.0)
+    assert (strict.kind, strict.index, strict.margin) == ("diverged", step, margins[step])
+    assert judge_serial("c", alone, flipped, margins[step]).kind == "explained"
+    without_logprobs = Completion(alone.text, alone.token_ids, None, alone.finish_reason, False)
+    assert judge_serial("c", without_logprobs, flipped, 1e9).kind == "diverged"  # no margin known: strict
