@@ -4,9 +4,16 @@ A float32 engine or a device's server is judged against them without rerunning t
 (format: FORMATS.md). Writing is deterministic (fixed key order, floats as repr) so an unchanged
 model and prompt set refresh to the same bytes, and atomic so an interrupted refresh leaves the
 old file in place.
+
+A refresh too long for one machine is sharded: shard I of N takes the prompts at positions
+I-1, I-1+N, ... (round robin, so long and short cases spread evenly) and writes them as a golden
+file whose header says so (`shard`: index, count, the prompt set's sha256 and its case ids in
+order). `merge_shards` checks that the shards are the N of one prompt set, made from one model with
+one calibration, generation and BLAS, and writes the file an unsharded refresh writes, byte for byte.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -204,15 +211,69 @@ def write_golden(path: Path, header: dict, cases: list[GoldenCase]) -> None:
         raise
 
 
+def shard_of(prompts: list[PromptCase], shard: tuple[int, int]) -> list[PromptCase]:
+    """Shard `index` of `count` (1-based): every count-th prompt from position index - 1."""
+    index, count = shard
+    if not 1 <= index <= count:
+        raise RefengineError(f"shard: expected I/N with 1 <= I <= N, got {index}/{count}")
+    return prompts[index - 1::count]
+
+
 def refresh(model: Model, prompts_path: str | Path, prompts: list[PromptCase], out: str | Path,
-            noise: dict) -> Golden:
-    """Run the float64 reference on every prompt (loaded from `prompts_path`) and atomically write the
-    golden file; `noise` is the model's calibration (refengine.calibrate), kept for the margin rule."""
-    out = Path(out)
-    cases = [reference_case(model, p) for p in tqdm(prompts, desc=f"golden {out.name}", unit="case")]
-    header = golden_header(model, Path(prompts_path), noise)
+            noise: dict, shard: tuple[int, int] | None = None) -> Golden:
+    """Run the float64 reference on every prompt (loaded from `prompts_path`), or on one shard of them,
+    and atomically write the golden file; `noise` is the model's calibration (refengine.calibrate),
+    kept for the margin rule."""
+    out, prompts_path = Path(out), Path(prompts_path)
+    todo = shard_of(prompts, shard) if shard else prompts
+    cases = [reference_case(model, p) for p in tqdm(todo, desc=f"golden {out.name}", unit="case")]
+    header = golden_header(model, prompts_path, noise)
+    if shard:
+        header["shard"] = {"index": shard[0], "count": shard[1], "prompts_sha256": _sha256(prompts_path),
+                           "case_ids": [p.id for p in prompts]}
     write_golden(out, header, cases)
     return Golden(out, header, cases)
+
+
+def _sha256(path: Path) -> str:
+    try:
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise RefengineError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def merge_shards(paths: list[str | Path], out: str | Path) -> Golden:
+    """Join the N shard files of one refresh into the golden file the unsharded refresh writes."""
+    shards = [read_golden(p) for p in paths]
+    for g in shards:
+        if "shard" not in g.header:
+            raise RefengineError(f"{g.path}: not a shard (its header has no 'shard'; it is a whole golden file)")
+    first = shards[0]
+    common = {k: v for k, v in first.header.items() if k != "shard"}
+    for g in shards[1:]:
+        for key in sorted(set(common) | set(g.header) - {"shard"}):
+            if g.header.get(key) != common.get(key):
+                raise RefengineError(f"{g.path}: header field {key!r} differs from {first.path}'s: shards of "
+                                     f"different models, prompt sets or settings cannot be merged")
+        for key in ("count", "prompts_sha256", "case_ids"):
+            if g.header["shard"][key] != first.header["shard"][key]:
+                raise RefengineError(f"{g.path}: shard.{key} differs from {first.path}'s: not shards of one "
+                                     f"prompt set")
+    count, order = first.header["shard"]["count"], first.header["shard"]["case_ids"]
+    indices = sorted(g.header["shard"]["index"] for g in shards)
+    if indices != list(range(1, count + 1)):
+        missing = sorted(set(range(1, count + 1)) - set(indices))
+        twice = sorted({i for i in indices if indices.count(i) > 1})
+        raise RefengineError(f"shards: need each of 1..{count} once; missing {missing or 'none'}, "
+                             f"given twice {twice or 'none'}")
+    by_id = {c.id: c for g in shards for c in g.cases}
+    if sorted(by_id) != sorted(order) or sum(len(g.cases) for g in shards) != len(order):
+        raise RefengineError(f"shards: their cases are not the {len(order)} cases of the prompt set "
+                             f"(a shard was edited or cut short)")
+    cases = [by_id[case_id] for case_id in order]
+    out = Path(out)
+    write_golden(out, common, cases)
+    return Golden(out, common, cases)
 
 
 def _parse_case(where: str, obj: dict) -> GoldenCase:

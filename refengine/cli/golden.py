@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from ..check.calibrate import calibrate, load_calibration, stored_calibration
-from ..check.golden import load_prompts, read_golden, refresh
+from ..check.golden import load_prompts, merge_shards, read_golden, refresh
 from ..check.golden_check import check
 from ..data import shipped
 from ..engine import MODES
+from ..errors import RefengineError
 from .common import FAULT_ENV, add_model_argument, fault_from, open_model
 
 DEFAULT_GOLDEN = ("golden", "tiny-default.jsonl")  # shipped, made from the embedded default model
@@ -18,10 +19,25 @@ def run_refresh(args) -> int:
         noise = load_calibration(args.calibration)
     else:
         noise = stored_calibration(model) or calibrate(model)
-    golden = refresh(model, args.prompts, prompts, args.out, noise)
+    golden = refresh(model, args.prompts, prompts, args.out, noise, parse_shard(args.shard))
     tokens = sum(len(c.token_ids) for c in golden.cases)
     print(f"wrote {args.out}: {len(golden.cases)} cases, {tokens} tokens, model {golden.fingerprint}, "
-          f"tolerance {golden.tolerance:.6g}")
+          f"tolerance {golden.tolerance:.6g}" + (f", shard {args.shard}" if args.shard else ""))
+    return 0
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    index, slash, count = text.partition("/")
+    if not slash or not index.isdigit() or not count.isdigit():
+        raise RefengineError(f"--shard: expected I/N (e.g. 2/4), got {text!r}")
+    return int(index), int(count)
+
+
+def run_merge(args) -> int:
+    golden = merge_shards(args.shards, args.out)
+    print(f"wrote {args.out}: {len(golden.cases)} cases from {len(args.shards)} shards, model {golden.fingerprint}")
     return 0
 
 
@@ -45,7 +61,14 @@ def register(subparsers) -> None:
     p.add_argument("--calibration", metavar="FILE",
                    help="noise calibration to put in the header (default: golden/*.calibration.json for this model, "
                         "else calibrate the model now)")
+    p.add_argument("--shard", metavar="I/N", help="refresh only shard I of N (every N-th prompt from the I-th); "
+                                                 "`golden merge` joins the N shard files")
     p.set_defaults(func=run_refresh)
+
+    p = commands.add_parser("merge", help="join the shard files of a sharded refresh into one golden file")
+    p.add_argument("shards", nargs="+", help="the N shard files (refresh --shard I/N), in any order")
+    p.add_argument("--out", required=True, help="golden JSONL to write (byte-identical to an unsharded refresh)")
+    p.set_defaults(func=run_merge)
 
     p = commands.add_parser("check", help="run the float32 engine on every case as one random join/leave "
                                           "schedule and apply the margin rule")

@@ -98,10 +98,14 @@ def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: fl
 class SerialBaseline:
     name = "serial"
 
-    def __init__(self, alone: dict[tuple[str, str], Completion], tolerance: float):
+    def __init__(self, alone: dict[tuple[str, str], Completion], tolerance: float,
+                 failed: dict[tuple[str, str], str] | None = None):
         self.alone, self.tolerance = alone, tolerance  # (case id, api) -> the answer sent alone
+        self.failed = failed or {}                    # (case id, api) -> why its alone request failed
 
     def judge(self, p: Planned, completion: Completion) -> dict:
+        if (p.case.id, p.api) in self.failed:
+            return error(f"no alone answer to compare with ({self.failed[p.case.id, p.api]})")
         alone = self.alone[p.case.id, p.api]
         mismatch = prompt_mismatch(alone.prompt_token_ids, completion.prompt_token_ids, "prompt ids of its alone answer")
         if mismatch:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..check.golden import Golden, PromptCase
 from ..errors import RefengineError
-from .baseline import GoldenBaseline, SerialBaseline, error
+from .baseline import GoldenBaseline, SerialBaseline
 from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
 from .drain import server_state, wait_drained
@@ -64,17 +64,6 @@ class _Alone:
         return {"verdict": "answered"}
 
 
-class _Unanswered:
-    """Loaded requests of cases whose alone answer failed cannot be judged."""
-
-    def __init__(self, serial: SerialBaseline, failed: dict[tuple[str, str], str]):
-        self.serial, self.failed = serial, failed
-
-    def judge(self, p: Planned, completion: Completion) -> dict:
-        why = self.failed.get((p.case.id, p.api))
-        return error(f"no alone answer to compare with ({why})") if why else self.serial.judge(p, completion)
-
-
 def send_alone(endpoint: Endpoint, planned: list[Planned], served_name: str,
                dialect: Dialect | None) -> tuple[_Alone, list]:
     """Each (case, api) of the plan once, whole, one at a time: nothing else in flight."""
@@ -110,9 +99,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         drain_baseline = None
     if settings.baseline == "serial":
         kept, alone_records = send_alone(endpoint, draft, served["id"], dialect)
-        serial = SerialBaseline(kept.answers, tolerance)
         failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
-        baseline = _Unanswered(serial, failed) if failed else serial
+        baseline = SerialBaseline(kept.answers, tolerance, failed)
     else:  # one request of a typical case, alone, for the pace (a given plan has its own)
         typical = sorted(draft, key=lambda p: len(p.case.token_ids))[len(draft) // 2]
         _, alone_records = send_alone(endpoint, [] if planned else [typical], served["id"], dialect)
