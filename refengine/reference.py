@@ -6,6 +6,10 @@ The same math runs in the precision of the weights it is given: with `model.weig
 every operation stays float32 (the RoPE angles are computed in float64, as the engine's tables are,
 and rounded to the working precision). That float32 reference -- no scheduler, no paging, no
 batching -- is what refengine.check.calibrate holds against the float64 one to bound float32 noise.
+
+A model whose float64 copy would be large is streamed (Model.reference_weights: each layer widened
+when the forward reaches it and dropped after), so the oracle of an 8B model needs about one layer
+of float64 memory plus its KV cache, at the price of widening the weights again on every pass.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import Model, ModelConfig
-from .model.weights import LayerWeights, Weights
+from .model.weights import LayerWeights, StreamedWeights, Weights, row_blocks
 from .sampling import (
     SamplingParams,
     StepRecord,
@@ -105,26 +109,45 @@ def mlp_block(x, w: LayerWeights):  # x [seq, hidden]
     return linear(gate * up, w.down_proj, w.down_bias)  # [seq, hidden]
 
 
-def final_hidden(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
+def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, cache: KVCache, positions):  # x [seq, hidden]
+    x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, cache, positions)
+    return x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)  # [seq, hidden]
+
+
+def final_hidden_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
+    """Per (ids, cache) of `batch`, the final-normed hidden states [len(ids), hidden] for `ids`
+    following that cache's positions; extends each cache. Layer by layer, every sequence on its own:
+    one pass over the weights (one widening of each streamed layer) serves them all, and each
+    sequence's arithmetic is exactly what it is alone."""
+    positions = [cache.length + np.arange(len(ids)) for ids, cache in batch]  # per sequence [seq]
+    xs = [weights.embed[np.asarray(ids)] for ids, _ in batch]                  # per sequence [seq, hidden]
+    for layer, w in enumerate(weights.layers):
+        xs = [decoder_layer(x, w, cfg, layer, cache, pos) for x, (_, cache), pos in zip(xs, batch, positions)]
+    return [rms_norm(x, weights.norm, cfg.rms_norm_eps) for x in xs]          # per sequence [seq, hidden]
+
+
+def final_hidden(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cache: KVCache):
     """The final-normed hidden states [len(ids), hidden] for `ids` following the cache's positions;
     extends the cache."""
-    positions = cache.length + np.arange(len(ids))  # [seq]
-    x = weights.embed[np.asarray(ids)]              # [seq, hidden]
-    for layer, w in enumerate(weights.layers):
-        x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, cache, positions)
-        x = x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)
-    return rms_norm(x, weights.norm, cfg.rms_norm_eps)  # [seq, hidden]
+    return final_hidden_lockstep(weights, cfg, [(ids, cache)])[0]
 
 
-def forward(weights: Weights, cfg: ModelConfig, ids, cache: KVCache):
+def forward_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
+    """Per (ids, cache) of `batch`, the logits [len(ids), vocab]; the output head is read once."""
+    hs = final_hidden_lockstep(weights, cfg, batch)
+    blocks = [[h @ block.T for h in hs] for block in row_blocks(weights.lm_head)]  # [block][sequence]
+    return [np.concatenate([row[i] for row in blocks], axis=-1) for i in range(len(hs))]  # per sequence [seq, vocab]
+
+
+def forward(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cache: KVCache):
     """Logits [len(ids), vocab] for `ids` following the cache's positions; extends the cache."""
-    return final_hidden(weights, cfg, ids, cache) @ weights.lm_head.T  # [seq, hidden] @ [hidden, vocab]
+    return forward_lockstep(weights, cfg, [(ids, cache)])[0]
 
 
 def prompt_logits(model: Model, ids, dtype=np.float64):
     """Logits at every position of `ids`: [len(ids), vocab], computed in `dtype` (float64: the oracle)."""
     ids = model.check_prompt(ids)
-    return forward(model.weights(dtype), model.config, ids, KVCache())
+    return forward(model.reference_weights(dtype), model.config, ids, KVCache())
 
 
 @dataclass
@@ -140,29 +163,58 @@ class GenerationResult:
         return [s.top2_margin for s in self.steps]
 
 
+class _Greedy:
+    """One sequence of a greedy decode: its cache, its tokens, and when it stops."""
+
+    def __init__(self, model: Model, prompt_ids, params: SamplingParams, top_k_logprobs: int, keep_logits: bool):
+        if not params.greedy:
+            raise ValueError("the reference decodes greedily; seeded requests have no float64 baseline")
+        self.prompt_ids, self.params, self.cfg = model.check_prompt(prompt_ids), params, model.config
+        self.top_k, self.keep_logits = top_k_logprobs, keep_logits
+        self.detok, self.cache = model.tokenizer.detokenizer(), KVCache()
+        self.token_ids, self.steps, self.result = [], [], None
+        self.next_ids = self.prompt_ids  # what the next forward feeds: the prompt, then each new token
+
+    def take(self, logits) -> None:  # logits [vocab]: the next token's
+        token = greedy_token(logits)
+        logprob, top = token_logprobs(logits, token, self.top_k)
+        self.token_ids.append(token)
+        self.steps.append(StepRecord(token, top2_margin(logits), top, logprob,
+                                     logits=logits if self.keep_logits else None))
+        self.detok.push(token)
+        reason = finish_reason(token, len(self.token_ids), self.detok.text, self.params, self.cfg.eos_token_ids)
+        if reason is None and len(self.prompt_ids) + len(self.token_ids) >= self.cfg.max_position_embeddings:
+            reason = "length"
+        if reason:
+            self.detok.flush()
+            self.result = GenerationResult(self.prompt_ids, self.token_ids,
+                                           cut_at_stop_string(self.detok.text, self.params.stop), reason, self.steps)
+        self.next_ids = [token]
+
+
+def generate_lockstep(model: Model, prompts: list, params: list[SamplingParams], dtype=np.float64,
+                      top_k_logprobs: int = 5, keep_logits: bool = False, progress=None) -> list[GenerationResult]:
+    """Greedy decoding of every prompt at once, one token each per pass over the weights (each its
+    own sequence: own KV cache, own attention, own products), stopping as the engine stops. Each
+    result equals generate() of that prompt alone, bit for bit (tests/test_streamed_reference.py);
+    what the prompts share is the reading (and, streamed, the widening) of the weights: a pass costs
+    one read of the model instead of one per prompt. `progress(n)`: called with the tokens a pass made."""
+    weights, cfg = model.reference_weights(dtype), model.config
+    running = [_Greedy(model, p, sp, top_k_logprobs, keep_logits) for p, sp in zip(prompts, params)]
+    done = list(running)
+    while running:
+        logits = forward_lockstep(weights, cfg, [(g.next_ids, g.cache) for g in running])
+        for g, rows in zip(running, logits):
+            g.take(rows[-1])
+        if progress:
+            progress(len(running))
+        running = [g for g in running if g.result is None]
+    return [g.result for g in done]
+
+
 def generate(model: Model, prompt_ids, params: SamplingParams, dtype=np.float64, top_k_logprobs: int = 5,
              keep_logits: bool = False) -> GenerationResult:
     """Greedy decoding, one token per forward, stopping as the engine stops. Each step records the
     token, the top-2 margin, the token's and the top-k log-probabilities, and with `keep_logits`
     the logits row (what the suite and the calibration compare the engine's rows with)."""
-    if not params.greedy:
-        raise ValueError("the reference decodes greedily; seeded requests have no float64 baseline")
-    prompt_ids = model.check_prompt(prompt_ids)
-    weights, cfg = model.weights(dtype), model.config
-    detok = model.tokenizer.detokenizer()
-    cache = KVCache()
-    logits = forward(weights, cfg, prompt_ids, cache)[-1]  # [vocab]
-    token_ids, steps = [], []
-    while True:
-        token = greedy_token(logits)
-        logprob, top = token_logprobs(logits, token, top_k_logprobs)
-        token_ids.append(token)
-        steps.append(StepRecord(token, top2_margin(logits), top, logprob, logits=logits if keep_logits else None))
-        detok.push(token)
-        reason = finish_reason(token, len(token_ids), detok.text, params, cfg.eos_token_ids)
-        if reason is None and len(prompt_ids) + len(token_ids) >= cfg.max_position_embeddings:
-            reason = "length"
-        if reason:
-            detok.flush()
-            return GenerationResult(prompt_ids, token_ids, cut_at_stop_string(detok.text, params.stop), reason, steps)
-        logits = forward(weights, cfg, [token], cache)[-1]
+    return generate_lockstep(model, [prompt_ids], [params], dtype, top_k_logprobs, keep_logits)[0]

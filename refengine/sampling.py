@@ -80,7 +80,11 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 def token_logprobs(logits: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
     """`token`'s log-probability (None for no token) and the k most likely ids with theirs."""
-    logprobs = log_softmax(logits.astype(np.float64))
+    return ranked_logprobs(log_softmax(logits.astype(np.float64)), token, k)
+
+
+def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
+    """From a row of log-probabilities: `token`'s (None for no token) and the k most likely ids with theirs."""
     order = np.lexsort((np.arange(len(logprobs)), -logprobs))[:k]
     own = None if token is None else float(logprobs[token])
     return own, [(int(i), float(logprobs[i])) for i in order]

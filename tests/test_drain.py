@@ -188,7 +188,12 @@ def vllm_metrics(load: dict):
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {load["kv"]}\n'
         "# TYPE vllm:request_success_total counter\n"
-        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 7.0\n')
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 7.0\n'
+        f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="m"}} {load.get("aborted", 0)}.0\n'
+        "# TYPE vllm:iteration_tokens_total histogram\n"
+        f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf",model_name="m"}} {load.get("steps", 0)}.0\n'
+        f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {load.get("steps", 0)}.0\n'
+        f'vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} 0.0\n')
 
 
 def llamacpp_metrics(load: dict):
@@ -272,3 +277,42 @@ def test_validate_fails_a_server_that_does_not_drain_after_hang_ups(tiny_model, 
     assert report["summary"]["cancelled"] > 0 and report["drain"]["checked"]
     assert report["drain"]["drained"] is (fault is None)
     assert report["summary"]["passed"] is (fault is None), report["drain"]
+
+
+def test_refengine_reports_slots_aborts_and_steps_and_drain_reads_them(tiny_model):
+    """validate.drain reads in_flight, slots_used, requests_aborted and steps from /admin/api/status
+    and /metrics alike, and a drain bounded in engine steps waits for the hang-up's abort."""
+    from refengine.validate.drain import wait_drained_within_steps
+    server = OpenAIServer(tiny_model, LOAD_ENGINE, host="127.0.0.1", max_waiting=3)
+    server.start()
+    endpoint = Endpoint(server.url, DEADLINE_S)
+    hold = threading.Event()
+    client = threading.Thread(target=stream_for_a_while, args=(server.url, hold))
+    try:
+        baseline = server_state(endpoint)
+        assert (baseline.in_flight, baseline.slots_used, baseline.aborted) == (0, 0, 0) and baseline.steps == 0
+        client.start()
+        wait_until(lambda: server_state(endpoint).steps > 0, "the load to run")
+        for path in ("/admin/api/status", "/metrics"):
+            state = read_source(endpoint, path)
+            assert (state.in_flight, state.slots_used, state.aborted) == (1, 1, 0) and state.steps > 0, state
+        ok, last, note = wait_drained_within_steps(endpoint, baseline, max_steps=5, idle_s=DEADLINE_S)
+        assert not ok and "1 in flight (started at 0), 1 admission slots taken (started at 0)" in note, note
+        hold.set()  # the client hangs up
+        ok, last, note = wait_drained_within_steps(endpoint, baseline, max_steps=32, idle_s=1.0)
+        assert ok and (last.in_flight, last.slots_used, last.aborted) == (0, 0, 1), note
+    finally:
+        hold.set()
+        client.join(DEADLINE_S)
+        server.close()
+
+
+def test_drain_reads_vllm_aborts_and_engine_steps():
+    load = {"running": 1, "waiting": 0, "kv": 0.5, "aborted": 3, "steps": 40}
+    server = FakeServer({"/metrics": lambda: vllm_metrics(load)})
+    try:
+        state = server_state(server.endpoint)
+        assert (state.aborted, state.steps, state.in_flight, state.slots_used) == (3, 40, None, None)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -286,6 +286,8 @@ def test_schedule_file_runs_batched_and_serially_with_matching_outputs(tiny_mode
     ('{"requests": [{"id": "a", "prompt_ids": [1], "sampling": {"temperature": 0.5}}]}', "'a'.*seed"),
     ('{"requests": [{"id": "a", "prompt_ids": [1]}, {"id": "a", "prompt_ids": [2]}]}', "'a'.*duplicate"),
     ('{"requests": [{"prompt_ids": [1]}]}', r"requests\[0\]\.id"),
+    ('{"requests": [{"id": "a", "prompt_ids": [1], "logprobs": -1}]}', "'a'.*logprobs"),
+    ('{"requests": [{"id": "a", "prompt_ids": [1], "logprobs": true}]}', "'a'.*logprobs"),
 ])
 def test_bad_schedule_files_are_rejected_naming_the_file_and_field(tmp_path, text, message):
     path = tmp_path / "bad.json"
@@ -379,3 +381,50 @@ def test_order_faults_only_show_when_a_prefill_precedes_a_decode(tiny_model, fau
     clean = outputs("fcfs")
     assert outputs("prefill-first") == clean and outputs("fcfs", fault) == clean
     assert outputs("prefill-first", fault) != clean
+
+
+def test_schedule_logprobs_key_asks_the_engine_as_the_server_does():
+    parsed = parse_schedule({"requests": [{"id": "none", "prompt_ids": [1]},
+                                          {"id": "own", "prompt_ids": [1], "logprobs": 0},
+                                          {"id": "top5", "prompt_ids": [1], "logprobs": 5}]}, "lp")
+    assert [(r.logprobs, r.params.logprobs) for r in parsed.requests] == [(None, 0), (0, 1), (5, 5)]
+
+
+def test_logprobs_are_per_row_and_the_normalization_fault_shows_only_batched(tiny_model):
+    from refengine.sampling import token_logprobs
+
+    def first_steps(max_num_seqs, fault=None):
+        engine = LLMEngine(tiny_model, EngineConfig(mode="invariant", max_num_seqs=max_num_seqs, fault=fault),
+                           keep_logits=True)
+        engine.add_request("lp", [5, 6, 7], params=SamplingParams(max_tokens=3, logprobs=4))
+        engine.add_request("other", [9], params=SamplingParams(max_tokens=3))
+        return engine.run()["lp"].steps
+
+    for step in first_steps(2):
+        assert (step.logprob, step.top_logprobs) == token_logprobs(step.logits, step.token_id, 4)
+    assert [(s.logprob, s.top_logprobs) for s in first_steps(1, "logprob-normalization")] == \
+        [(s.logprob, s.top_logprobs) for s in first_steps(1)]
+    faulty = first_steps(2, "logprob-normalization")
+    assert all(f.logprob < s.logprob - 0.1 for f, s in zip(faulty, first_steps(2)))
+
+
+def test_logprob_comparison_names_the_token_both_values_and_the_bound():
+    from refengine.check.comparison import logprob_difference
+    from refengine.sampling import StepRecord, token_logprobs
+
+    row = np.array([3.0, 2.0, 1.0, 0.5, -1.0], np.float32)
+    own, top = token_logprobs(row, 0, 2)
+    want = StepRecord(0, 1.0, top, own, logits=row)
+    assert logprob_difference(StepRecord(0, 1.0, top, own, logits=row), want, 2, exact=True) is None
+    off = StepRecord(0, 1.0, top, own + 1e-12, logits=row)
+    assert "not bit-identical" in logprob_difference(off, want, 2, exact=True)
+    assert logprob_difference(off, want, 2, exact=False, tolerance=1e-6) is None
+    far = logprob_difference(StepRecord(0, 1.0, top, own - 0.5, logits=row), want, 2, exact=False,
+                             tolerance=1e-6, names=("batched", "alone"))
+    assert "chosen token 0" in far and repr(own) in far and "batched" in far and "bound 1e-06" in far
+    wrong_rank = [top[0], (3, float(token_logprobs(row, 3, 0)[0]))]  # token 3 is 4th, not 2nd
+    assert "not among the alone's top 2" in logprob_difference(
+        StepRecord(0, 1.0, wrong_rank, own, logits=row), want, 2, exact=False, tolerance=1e-6,
+        names=("batched", "alone"))
+    assert "1 alternatives reported, 2 requested" in logprob_difference(
+        StepRecord(0, 1.0, top[:1], own, logits=row), want, 2, exact=False, tolerance=1e-6)

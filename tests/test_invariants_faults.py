@@ -6,7 +6,9 @@ state machine also catches the two that break the KV accounting. Two are reachab
 scheduling policies other than fcfs (a decode after a prefill chunk in one step):
 chunk-order-dependent-logits-row and decode-context-after-prefill. abort-after-finish-rewrites-finish
 is caught by the finish-semantics property (refengine/suite/test_finish.py); `refengine replay` sees it
-as an engine failure (the engine's own check: exactly one final event per finished request)."""
+as an engine failure (the engine's own check: exactly one final event per finished request).
+hang-up-without-abort and slot-leak live in the serve layer (no engine schedule shows them): the HTTP
+properties catch and shrink them, in tests/test_invariants_http.py."""
 import json
 
 import pytest
@@ -61,7 +63,10 @@ CAUGHT_BY = {
     "chunk-order-dependent-logits-row": "invariant-mode-is-exact",
     "decode-context-after-prefill": "invariant-mode-is-exact",
     "attention-bound-inflating": "reference-agreement",
+    "logprob-normalization": "invariant-mode-is-exact",
     "top-p-excludes-crossing-token": "sampling-distribution",  # not schedule-shaped: tests/test_sampling_oracle.py
+    "hang-up-without-abort": "http-hang-ups-are-aborts",  # serve layer: caught by tests/test_invariants_http.py
+    "slot-leak": "http-server-drains",  # serve layer: caught by tests/test_invariants_http.py
 }
 STATE_MACHINE_CATCHES = ("abort-leaks-blocks", "stale-block-table-after-preemption")
 

@@ -419,3 +419,45 @@ def test_refengine_serve_refuses_an_unknown_fault(tiny_model_dir):
                              "--port", "0"], env={**os.environ, "REFENGINE_FAULT": "no-such-fault"},
                             capture_output=True, text=True, timeout=DEADLINE_S)
     assert result.returncode == 2 and "no-such-fault" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+# --- the serve layer's faults: a hang-up that is not aborted, an admission slot that leaks ----------
+def hang_up_after_one_chunk(server, max_tokens=500):
+    """A streamed completion; the client leaves after its first chunk (as validate's client does)."""
+    conn = connection(server.url)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}))
+    sock = conn.sock  # getresponse() drops conn.sock when the server will close the connection
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+@pytest.mark.parametrize("fault", [None, "slot-leak", "hang-up-without-abort"])
+def test_a_hang_up_is_aborted_and_returns_its_admission_slot(tiny_model, fault):
+    server = start_server(tiny_model, max_waiting=1, queue_timeout=0.3, max_num_seqs=1, fault=fault)
+    try:
+        status = status_of(server)
+        assert (status["slots_used"], status["slots_total"]) == (0, 2)
+        hang_up_after_one_chunk(server)
+        wait_until(lambda: status_of(server)["in_flight"] == 0, "the hung-up request to end")
+        status = status_of(server)
+        assert status["kv_blocks_used"] == 0
+        if fault == "hang-up-without-abort":  # ran on to its natural end: finished, never aborted
+            assert (status["requests_aborted"], status["requests_finished_length"]) == (0, 1), status
+            assert status["steps"] >= 500
+        else:
+            assert (status["requests_aborted"], status["requests_finished"]) == (1, 0), status
+            assert status["steps"] < 100  # the abort came within a few steps, not at max_tokens
+        assert status["slots_used"] == (1 if fault == "slot-leak" else 0), status
+        if fault == "slot-leak":  # a second leak uses up both slots: the next request is refused
+            hang_up_after_one_chunk(server)
+            wait_until(lambda: status_of(server)["slots_used"] == 2 and status_of(server)["in_flight"] == 0,
+                       "the second hang-up to leak its slot")
+            code, data = call(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert code == 503 and json.loads(data)["error"]["code"] == "queue_timeout"
+        else:
+            assert generate(server, "completion", {"prompt": "hi", "max_tokens": 2}, stream=False)["token_ids"]
+    finally:
+        server.close()

@@ -6,12 +6,78 @@ divergence the margin rule (check.margin_rule) forgives; on every agreeing step 
 deviation must stay within `noise_tolerance`. Both tolerances come from a calibration
 (check.calibrate), never from the runs being judged.
 An aborted run's tokens need only be a prefix of the other's.
+
+Logprobs, where the request asked for them (`num_logprobs`: the alternatives requested, 0 for the
+chosen token's only), on every agreeing step: exact mode, the chosen token's logprob and the
+alternatives (ids, order, values) bit-identical to the baseline's; otherwise each reported value
+within `logprob_tolerance` of the float64 log-softmax of the baseline's logits row at the same id,
+and every reported alternative among the baseline's top-K up to that tolerance.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..sampling import log_softmax, ranked_logprobs
 from .margin_rule import Verdict, first_divergence
+
+
+def logprob_tolerance(logit_tolerance: float) -> float:
+    """The bound on a log-probability given the bound on its logits row: a logprob is its logit minus
+    the row's logsumexp, and a row within d (max |difference|) of another moves each of the two by at
+    most d, so its logprobs by at most 2 d (the log-softmax itself is float64: exact at this scale)."""
+    return 2 * logit_tolerance
+
+
+def _value(x) -> str:
+    return "none" if x is None else repr(float(x))
+
+
+def logprob_difference(got, want, num_logprobs: int, *, exact: bool, tolerance: float = 0.0,
+                       names: tuple[str, str] = ("got", "baseline")) -> str | None:
+    """None when step `got`'s reported logprobs (sampling.StepRecord: logprob, top_logprobs) agree with
+    the baseline step `want` (same token): its chosen token's, and its first `num_logprobs`
+    alternatives; else what differs, naming the token, both values and the bound."""
+    got_name, want_name = names
+    alternatives = list(got.top_logprobs[:num_logprobs])
+    if got.logprob is None:
+        return f"no logprob reported, {num_logprobs} alternatives requested"
+    expected = num_logprobs if got.logits is None else min(num_logprobs, len(got.logits))
+    if len(alternatives) != expected:
+        return f"{len(alternatives)} alternatives reported, {num_logprobs} requested"
+    row = None if want.logits is None else log_softmax(np.asarray(want.logits, np.float64))
+    if exact:
+        if row is not None and want.logprob is None:
+            want_own, want_alternatives = ranked_logprobs(row, want.token_id, num_logprobs)
+        else:
+            want_own, want_alternatives = want.logprob, list(want.top_logprobs[:num_logprobs])
+        if got.logprob != want_own:
+            return (f"logprob of the chosen token {got.token_id} not bit-identical: {got_name} {_value(got.logprob)}, "
+                    f"{want_name} {_value(want_own)} (bound 0)")
+        for rank, (g, w) in enumerate(zip(alternatives, want_alternatives)):
+            if g != w:
+                return (f"top_logprobs[{rank}] not bit-identical: {got_name} token {g[0]} {_value(g[1])}, "
+                        f"{want_name} token {w[0]} {_value(w[1])} (bound 0)")
+        if len(alternatives) != len(want_alternatives):
+            return f"{len(alternatives)} alternatives, {want_name} {len(want_alternatives)}"
+        return None
+    if row is None:  # no baseline row: compare by id where the baseline reported one
+        known = dict(want.top_logprobs)
+        pairs = [(got.token_id, got.logprob, want.logprob)] + [(i, v, known.get(i)) for i, v in alternatives]
+    else:
+        pairs = [(got.token_id, got.logprob, row[got.token_id])] + [(i, v, row[i]) for i, v in alternatives]
+    for n, (token, g, w) in enumerate(pairs):
+        if w is not None and not abs(g - w) <= tolerance:
+            what = "logprob of the chosen token" if n == 0 else f"top_logprobs[{n - 1}], token"
+            return (f"{what} {token}: {got_name} {_value(g)}, {want_name} {_value(w)}, |difference| "
+                    f"{abs(g - w):.3g} > bound {tolerance:.3g}")
+    if row is not None and alternatives:
+        kth = float(np.partition(row, len(row) - len(alternatives))[len(row) - len(alternatives)])
+        for rank, (token, g) in enumerate(alternatives):
+            if row[token] < kth - tolerance:
+                return (f"top_logprobs[{rank}] is token {token} ({_value(g)}), not among the {want_name}'s top "
+                        f"{len(alternatives)}: its logprob there {_value(row[token])} < the {len(alternatives)}th "
+                        f"best {_value(kth)} - bound {tolerance:.3g}")
+    return None
 
 
 def logit_deviation(got, want) -> float | None:
@@ -21,9 +87,13 @@ def logit_deviation(got, want) -> float | None:
 
 
 def compare_request(request_id: str, got, want, *, exact: bool, margin_tolerance: float = 0.0,
-                    noise_tolerance: float = 0.0) -> Verdict:
+                    noise_tolerance: float = 0.0, num_logprobs: int | None = None,
+                    names: tuple[str, str] = ("got", "baseline")) -> Verdict:
     """`got` / `want`: objects with token_ids, finish_reason and steps (sampling.StepRecord: token_id,
-    top2_margin, logits_sha256 and logits where kept, `step` on an engine's records)."""
+    top2_margin, logits_sha256 and logits where kept, logprob and top_logprobs where asked for, `step`
+    on an engine's records). `num_logprobs`: the alternatives the request asked for (None: no logprobs,
+    nothing to compare); judged on every agreeing step, bit-exact or within
+    logprob_tolerance(noise_tolerance)."""
     tolerance = 0.0 if exact else margin_tolerance
     seen = 0.0
 
@@ -47,6 +117,11 @@ def compare_request(request_id: str, got, want, *, exact: bool, margin_tolerance
         if not exact and deviation is not None and deviation > noise_tolerance:
             return verdict("diverged", "logit deviation above the noise tolerance", i, deviation,
                            g.token_id, w.token_id)
+        if num_logprobs is not None:
+            problem = logprob_difference(g, w, num_logprobs, exact=exact, names=names,
+                                         tolerance=logprob_tolerance(noise_tolerance))
+            if problem:
+                return verdict("diverged", problem, i, deviation, g.token_id, w.token_id)
         seen = max(seen, deviation or 0.0)
     n_got, n_want = len(got.token_ids), len(want.token_ids)
     got_cut, want_cut = got.finish_reason == "abort", want.finish_reason == "abort"

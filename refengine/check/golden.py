@@ -25,7 +25,7 @@ from .. import __version__
 from ..blas import blas_identity
 from ..errors import RefengineError
 from ..model import Model
-from ..reference import generate
+from ..reference import generate_lockstep
 from ..sampling import SamplingParams
 from .margin_rule import tolerance
 
@@ -161,9 +161,19 @@ def load_prompts(path: str | Path) -> list[PromptCase]:
     return cases
 
 
-def reference_case(model: Model, case: PromptCase) -> GoldenCase:
-    prompt_ids = case.encode(model)
-    result = generate(model, prompt_ids, SamplingParams(max_tokens=case.max_tokens), top_k_logprobs=TOP_K_LOGPROBS)
+def reference_cases(model: Model, cases: list[PromptCase], desc: str = "golden") -> list[GoldenCase]:
+    """The float64 reference's answers to `cases`, decoded in lockstep (reference.generate_lockstep:
+    one pass over the weights per token for all of them, each answer bit-identical to its case run
+    alone); progress in tokens."""
+    prompt_ids = [case.encode(model) for case in cases]
+    params = [SamplingParams(max_tokens=case.max_tokens) for case in cases]
+    with tqdm(total=sum(case.max_tokens for case in cases), desc=desc, unit="tok") as bar:
+        results = generate_lockstep(model, prompt_ids, params, top_k_logprobs=TOP_K_LOGPROBS, progress=bar.update)
+        bar.update(bar.total - bar.n)  # answers that stopped before max_tokens
+    return [golden_case(model, case, ids, result) for case, ids, result in zip(cases, prompt_ids, results)]
+
+
+def golden_case(model: Model, case: PromptCase, prompt_ids: list[int], result) -> GoldenCase:
     detok, offsets = model.tokenizer.detokenizer(), []
     for token in result.token_ids:
         detok.push(token)
@@ -226,7 +236,7 @@ def refresh(model: Model, prompts_path: str | Path, prompts: list[PromptCase], o
     kept for the margin rule."""
     out, prompts_path = Path(out), Path(prompts_path)
     todo = shard_of(prompts, shard) if shard else prompts
-    cases = [reference_case(model, p) for p in tqdm(todo, desc=f"golden {out.name}", unit="case")]
+    cases = reference_cases(model, todo, desc=f"golden {out.name}")
     header = golden_header(model, prompts_path, noise)
     if shard:
         header["shard"] = {"index": shard[0], "count": shard[1], "prompts_sha256": _sha256(prompts_path),

@@ -4,7 +4,10 @@ the invariants suite, and behind `refengine replay` for the repro files they wri
 The schedule runs batched as written (check.driver, with the engine's own checks after every step).
 Each request is then judged (check.comparison) against one of the baselines of AGAINST. Invariant
 mode must match bit for bit (token ids and logits sha256); fast mode, and any comparison with the
-float64 reference, is judged by the margin rule with the model's calibrated tolerance.
+float64 reference, is judged by the margin rule with the model's calibrated tolerance. Where a
+request asked for logprobs (its `logprobs` key), every agreeing step's reported logprobs are judged
+too: bit-identical in invariant mode, else within twice the logit tolerance of the baseline row's
+float64 log-softmax (check.comparison.logprob_tolerance).
 """
 from __future__ import annotations
 
@@ -15,7 +18,12 @@ from ..errors import RefengineError
 from ..model import Model
 from ..reference import generate
 from ..sampling import SamplingParams
-from .comparison import compare_request, logit_deviation
+from .comparison import (
+    compare_request,
+    logit_deviation,
+    logprob_difference,
+    logprob_tolerance,
+)
 from .driver import configured, run_alone, run_batched
 from .margin_rule import Verdict, describe, tolerance
 from .schedule import Schedule, ScheduledRequest
@@ -88,11 +96,15 @@ def _prefill_verdict(model, config, request, baselines: Baselines, exact: bool, 
                                                       params=replace(request.params, max_tokens=1))).steps[0]
         step = decoded.steps[i]
         deviation = logit_deviation(step.logits, fresh.logits)
-        if (step.logits_sha256 != fresh.logits_sha256) if exact else deviation > tol:
-            return Verdict(request.id, "diverged", reason=f"decode logits differ from a fresh prefill of the "
-                           f"{len(prefix)}-token prefix", index=i, engine_step=step.step, got=step.token_id,
-                           want=fresh.token_id, margin=fresh.top2_margin, tolerance=0.0 if exact else tol,
-                           deviation=deviation)
+        problem = "decode logits differ from a fresh prefill" \
+            if ((step.logits_sha256 != fresh.logits_sha256) if exact else deviation > tol) else None
+        if problem is None and request.logprobs is not None and step.token_id == fresh.token_id:
+            problem = logprob_difference(step, fresh, request.logprobs, exact=exact, names=("decode", "fresh prefill"),
+                                         tolerance=0.0 if exact else logprob_tolerance(tol))
+        if problem:
+            return Verdict(request.id, "diverged", reason=f"{problem} (the {len(prefix)}-token prefix)", index=i,
+                           engine_step=step.step, got=step.token_id, want=fresh.token_id, margin=fresh.top2_margin,
+                           tolerance=0.0 if exact else tol, deviation=deviation)
     return Verdict(request.id, "match")
 
 
@@ -132,5 +144,6 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
                 "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
                 "budget": lambda: wanted[request.id]}[against]()
         verdicts[request.id] = compare_request(request.id, outputs[request.id], want, exact=exact,
-                                               margin_tolerance=tol or 0.0, noise_tolerance=tol or 0.0)
+                                               margin_tolerance=tol or 0.0, noise_tolerance=tol or 0.0,
+                                               num_logprobs=request.logprobs, names=names)
     return ReplayResult(schedule, config, against, verdicts, outputs, engine.trace, tol, failure, names)

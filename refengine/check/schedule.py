@@ -3,6 +3,11 @@
 Unknown keys inside `engine`, a request or its `sampling` are errors, so a typo cannot silently
 change what runs; free-form extra information (a repro file's `found_by`, `model`, ...) belongs at
 the top level.
+
+A request's optional `logprobs`: K (an integer >= 0) asks for the chosen token's log-probability at
+every step and the K most likely alternatives with theirs (0: the chosen token's only); absent, none.
+The engine is asked as the server asks it (SamplingParams.logprobs = max(K, 1): it reports at least
+one alternative); ScheduledRequest.logprobs keeps K, the number of alternatives compared.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class ScheduledRequest:
     params: SamplingParams
     arrival_step: int
     abort_step: int | None
+    logprobs: int | None = None  # alternatives requested per step (0: the chosen token's only); None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,17 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
         value = raw.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
             raise RefengineError(f"{where}.{key}: expected a list of {kind.__name__}")
+    logprobs = raw.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise RefengineError(f"{where}.logprobs: expected an integer >= 0 (alternatives per step), got {logprobs!r}")
     try:
         params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
-                                ignore_eos=bool(raw.get("ignore_eos", False)), logprobs=raw.get("logprobs", 0))
+                                ignore_eos=bool(raw.get("ignore_eos", False)),
+                                logprobs=0 if logprobs is None else max(logprobs, 1))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
-    return ScheduledRequest(request_id, prompt, params, arrival, abort)
+    return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs)
 
 
 def parse_schedule(data, source: str = "<schedule>") -> Schedule:

@@ -28,6 +28,9 @@ class Fault(Enum):
     DECODE_CONTEXT_AFTER_PREFILL = "decode-context-after-prefill"
     TOP_P_EXCLUDES_CROSSING_TOKEN = "top-p-excludes-crossing-token"
     ATTENTION_BOUND_INFLATING = "attention-bound-inflating"
+    LOGPROB_NORMALIZATION = "logprob-normalization"
+    HANG_UP_WITHOUT_ABORT = "hang-up-without-abort"
+    SLOT_LEAK = "slot-leak"
 
 
 DESCRIPTIONS = {
@@ -69,6 +72,15 @@ DESCRIPTIONS = {
         "the attention softmax is exp2-based but drops the log2(e) factor, so every score is scaled by ln 2 "
         "(attention 31% too flat; identical batched and alone: only the float64 reference sees it, and a "
         "calibration measured with this engine would have adopted its error as float32 noise)",
+    Fault.LOGPROB_NORMALIZATION:
+        "the reported log-probabilities are normalized over the whole step's logits rows instead of per row "
+        "(right for a batch of one; batched, every logprob is too low by the other rows' share)",
+    Fault.HANG_UP_WITHOUT_ABORT:
+        "the server notices that a streaming client hung up but never aborts its request: it runs to "
+        "completion, holding its seat and KV blocks (serve layer)",
+    Fault.SLOT_LEAK:
+        "an admission slot is not returned when a request ends by a hang-up (abort) or an error, so "
+        "leaked slots turn into refused requests (serve layer)",
 }
 FAULTS = {fault.value: DESCRIPTIONS[fault] for fault in Fault}  # name -> what the bug does
 

@@ -39,8 +39,9 @@ from ..sampling import (
     SamplingParams,
     StepRecord,
     finish_reason,
+    log_softmax,
+    ranked_logprobs,
     sample_token,
-    token_logprobs,
     top2_margin,
 )
 from .block_manager import BlockManager
@@ -73,6 +74,7 @@ class LLMEngine:
         self._leak_seed = self.config.injected is Fault.SEED_LEAK
         self._cut_crossing_token = self.config.injected is Fault.TOP_P_EXCLUDES_CROSSING_TOKEN
         self._refinish_on_abort = self.config.injected is Fault.ABORT_AFTER_FINISH_REWRITES_FINISH
+        self._normalize_over_step = self.config.injected is Fault.LOGPROB_NORMALIZATION
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
@@ -131,18 +133,31 @@ class LLMEngine:
             logits = np.roll(logits, 1, axis=0)
         seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
         leaked_seed = seeds[0] if self._leak_seed and seeds else None
-        for chunk, row in zip(sampling, logits):
-            events.append(self._append_token(chunk.seq, row, step, leaked_seed))
+        logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling])
+        for chunk, row, row_logprobs in zip(sampling, logits, logprobs):
+            events.append(self._append_token(chunk.seq, row, step, leaked_seed, row_logprobs))
         self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
         self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
         self.num_steps += 1
         return events
 
-    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None) -> TokenEvent:
+    def _step_logprobs(self, logits: np.ndarray, wanted: list[bool]) -> list[np.ndarray | None]:
+        """The float64 log-softmax of each sampled row whose request asked for logprobs (None for the
+        others), each normalized over its own row: a row's logprobs never depend on the batch."""
+        if not any(wanted):
+            return [None] * len(wanted)
+        if self._normalize_over_step:  # Fault.LOGPROB_NORMALIZATION: one normalizer for the whole step
+            every = log_softmax(np.asarray(logits, dtype=np.float64).ravel()).reshape(np.shape(logits))
+            return [row if want else None for row, want in zip(every, wanted)]
+        return [log_softmax(row.astype(np.float64)) if want else None for row, want in zip(logits, wanted)]
+
+    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None,
+                      row_logprobs: np.ndarray | None = None) -> TokenEvent:
         params = seq.params
         drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
         token = self.choose_token(logits, drawn, len(seq.output_ids))
-        logprob, alternatives = token_logprobs(logits, token, params.logprobs) if params.logprobs > 0 else (None, [])
+        logprob, alternatives = (None, []) if row_logprobs is None else \
+            ranked_logprobs(row_logprobs, token, params.logprobs)
         record = StepRecord(token, top2_margin(logits), alternatives, logprob, step,
                             hashlib.sha256(logits.tobytes()).hexdigest(), logits.copy() if self.keep_logits else None)
         seq.append_token(record)

@@ -15,9 +15,10 @@ import numpy as np
 from ..errors import RefengineError
 from .config import ModelConfig, load_config
 from .tokenizer import Tokenizer
-from .weights import Checkpoint, Weights
+from .weights import Checkpoint, StreamedWeights, Weights
 
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+STREAM_ABOVE_BYTES = 1 << 30  # the reference streams a model whose converted weights would exceed this
 
 
 class Model:
@@ -35,6 +36,15 @@ class Model:
             if dtype not in self._weights:
                 self._weights[dtype] = self.checkpoint.to_weights(dtype)
             return self._weights[dtype]
+
+    def reference_weights(self, dtype=np.float64) -> Weights | StreamedWeights:
+        """What the reference forward reads: the cached weights, or for a model whose weights in `dtype`
+        would exceed STREAM_ABOVE_BYTES (a fixed size, not the machine's memory, so a golden refresh
+        takes the same path everywhere), StreamedWeights."""
+        dtype = np.dtype(dtype)
+        if self.config.num_parameters * dtype.itemsize > STREAM_ABOVE_BYTES:
+            return StreamedWeights.of(self.checkpoint, dtype)
+        return self.weights(dtype)
 
     @cached_property
     def fingerprint(self) -> str:

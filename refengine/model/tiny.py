@@ -54,6 +54,9 @@ PRESETS = {
     "qwen3-0.6b-shape": TinySpec(arch="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128,
                                  intermediate=3072, vocab=151936, tie=True, max_position_embeddings=40960,
                                  rope_theta=1000000.0),
+    "qwen3-1.7b-shape": TinySpec(arch="qwen3", layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128,
+                                 intermediate=6144, vocab=151936, tie=True, max_position_embeddings=40960,
+                                 rope_theta=1000000.0),
 }
 
 

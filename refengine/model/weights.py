@@ -13,6 +13,7 @@ from .safetensors_io import SafetensorsFile
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+HEAD_BLOCK_ROWS = 16384  # output-head rows widened at a time by StreamedWeights (128 MB of float64 at hidden 1024)
 
 
 @dataclass(frozen=True)
@@ -127,21 +128,76 @@ class Checkpoint:
     def stored_dtypes(self) -> list[str]:
         return sorted({f.tensors[n][0] for n, f in self.sources.items()})
 
-    def tensor(self, name: str, dtype) -> np.ndarray:
-        return self.sources[name].get_float(name, dtype)
+    def tensor(self, name: str, dtype, rows: slice | None = None) -> np.ndarray:
+        return np.ascontiguousarray(self.sources[name].get_float(name, dtype, rows))
+
+    def layer(self, n: int, dtype) -> LayerWeights:
+        expected = expected_shapes(self.cfg)
+        return LayerWeights(**{field: self.tensor(f"model.layers.{n}.{suffix}", dtype)
+                               for field, suffix in _LAYER_FIELDS.items() if f"model.layers.{n}.{suffix}" in expected})
+
+    @property
+    def head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
 
     def to_weights(self, dtype) -> Weights:
-        def get(name):
-            return np.ascontiguousarray(self.tensor(name, dtype))
-
         # Each tensor is read on its own and its file mapping released at once, so the peak is the
         # converted weights plus one tensor in flight: read the largest (the embedding) first.
-        embed = get("model.embed_tokens.weight")
-        lm_head = embed if self.cfg.tie_word_embeddings else get("lm_head.weight")
-        expected = expected_shapes(self.cfg)
-        layers = []
-        for n in range(self.cfg.num_layers):
-            fields = {field: get(f"model.layers.{n}.{suffix}") for field, suffix in _LAYER_FIELDS.items()
-                      if f"model.layers.{n}.{suffix}" in expected}
-            layers.append(LayerWeights(**fields))
-        return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
+        embed = self.tensor("model.embed_tokens.weight", dtype)
+        lm_head = embed if self.cfg.tie_word_embeddings else self.tensor("lm_head.weight", dtype)
+        layers = [self.layer(n, dtype) for n in range(self.cfg.num_layers)]
+        return Weights(embed=embed, layers=layers, norm=self.tensor("model.norm.weight", dtype), lm_head=lm_head)
+
+
+class _Rows:
+    """A [rows, hidden] checkpoint tensor that is read, widened, and dropped on access: indexing with
+    token ids reads just those rows; iterating yields it in blocks of HEAD_BLOCK_ROWS rows."""
+
+    def __init__(self, checkpoint: Checkpoint, name: str, dtype):
+        self.checkpoint, self.name, self.dtype = checkpoint, name, dtype
+        self.rows = checkpoint.sources[name].tensors[name][1][0]
+
+    def __getitem__(self, ids) -> np.ndarray:  # ids [seq] -> [seq, hidden]
+        return np.stack([self.checkpoint.tensor(self.name, self.dtype, slice(i, i + 1))[0] for i in np.asarray(ids)])
+
+    def __iter__(self):
+        for start in range(0, self.rows, HEAD_BLOCK_ROWS):
+            yield self.checkpoint.tensor(self.name, self.dtype, slice(start, min(start + HEAD_BLOCK_ROWS, self.rows)))
+
+
+def row_blocks(head: np.ndarray | _Rows):
+    """The output head [vocab, hidden] in blocks of HEAD_BLOCK_ROWS rows, in or out of memory alike:
+    the reference multiplies block by block either way, so both give the same bits (a BLAS product
+    split differently differs in the last bits)."""
+    if not isinstance(head, np.ndarray):
+        return iter(head)
+    return (head[start:start + HEAD_BLOCK_ROWS] for start in range(0, head.shape[0], HEAD_BLOCK_ROWS))
+
+
+class _Layers:
+    def __init__(self, checkpoint: Checkpoint, dtype):
+        self.checkpoint, self.dtype = checkpoint, dtype
+
+    def __len__(self) -> int:
+        return self.checkpoint.cfg.num_layers
+
+    def __iter__(self):
+        return (self.checkpoint.layer(n, self.dtype) for n in range(len(self)))
+
+
+@dataclass(frozen=True)
+class StreamedWeights:
+    """The checkpoint's tensors, widened to the dtype when a forward reaches them and dropped after:
+    a forward holds one layer (or one block of the output head) at a time, not the model, which is
+    how the float64 reference of a model bigger in float64 than the machine's memory runs. Every
+    value is the one Weights holds (a widening is exact either way); tests/test_streamed_reference.py
+    checks a streamed reference gives the in-memory one's results bit for bit."""
+    embed: _Rows
+    layers: _Layers
+    norm: np.ndarray
+    lm_head: _Rows
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, dtype) -> StreamedWeights:
+        return cls(_Rows(checkpoint, "model.embed_tokens.weight", dtype), _Layers(checkpoint, dtype),
+                   checkpoint.tensor("model.norm.weight", dtype), _Rows(checkpoint, checkpoint.head_name, dtype))

@@ -4,7 +4,10 @@ One engine thread is the only caller of `engine.step()`: it takes new requests a
 the HTTP worker threads, runs one batched step for everything in flight, and hands each request's
 token events to that request's own queue. Worker threads never touch the engine; they submit, then
 wait on their queue. Admission is bounded: `max_num_seqs + max_waiting` requests may be in flight;
-a further one waits for a slot up to `queue_timeout` seconds and is then refused.
+a further one waits for a slot up to `queue_timeout` seconds and is then refused. A slot is taken
+before the request is handed over and returned when it ends (finished, aborted or refused by the
+engine); `slots_used` on the status page counts the slots taken (Fault.SLOT_LEAK: a request that ends
+by an abort or an error keeps its slot).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ..engine import LLMEngine
+from ..engine import Fault, LLMEngine
 from ..errors import RefengineError
 from ..sampling import SamplingParams
 
@@ -43,7 +46,9 @@ class EngineThread(threading.Thread):
         self.max_waiting = max_waiting
         self.queue_timeout = queue_timeout
         self.failure: BaseException | None = None
-        self._slots = threading.BoundedSemaphore(engine.config.max_num_seqs + max_waiting)
+        self.num_slots = engine.config.max_num_seqs + max_waiting
+        self._slots = threading.BoundedSemaphore(self.num_slots)
+        self._leak_slots = engine.config.injected is Fault.SLOT_LEAK  # the fault's code point: _end_slot
         self._wakeup = threading.Condition()
         self._submitted: list[RequestStream] = []
         self._aborts: list[str] = []
@@ -52,7 +57,7 @@ class EngineThread(threading.Thread):
         self._counters = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0,
                           "requests_finished_stop": 0, "requests_finished_length": 0,  # finished, by reason
                           "requests_rejected_busy": 0, "max_batch_active": 0,
-                          "slot_waiters": 0}
+                          "slot_waiters": 0, "slots_used": 0}
         self._snapshot: dict = {}
         self._publish()
 
@@ -63,14 +68,16 @@ class EngineThread(threading.Thread):
         self._count("slot_waiters", +1)
         got_slot = self._slots.acquire(timeout=self.queue_timeout)
         self._count("slot_waiters", -1)
-        if not got_slot:
+        if got_slot:
+            self._count("slots_used", +1)
+        else:
             self._count("requests_rejected_busy", +1)
             raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
                              f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
         stream = RequestStream(request_id, prompt_ids, params)
         with self._wakeup:
             if self._stopping or self.failure:
-                self._slots.release()
+                self._release_slot()
                 raise EngineStopped(self.why_stopped())
             self._submitted.append(stream)
             self._wakeup.notify()
@@ -100,13 +107,22 @@ class EngineThread(threading.Thread):
 
     def status(self) -> dict:
         with self._wakeup:
-            return {**self._snapshot, **self._counters}
+            return {**self._snapshot, **self._counters, "slots_total": self.num_slots}
 
     def stop(self) -> None:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         self.join()
+
+    def _release_slot(self) -> None:
+        self._count("slots_used", -1)
+        self._slots.release()
+
+    def _end_slot(self, ended_by_error_or_abort: bool) -> None:
+        """A request ended: its slot goes back (not with Fault.SLOT_LEAK after an abort or an error)."""
+        if not (self._leak_slots and ended_by_error_or_abort):
+            self._release_slot()
 
     def _count(self, name: str, delta: int) -> None:
         with self._wakeup:
@@ -160,7 +176,7 @@ class EngineThread(threading.Thread):
             self.engine.add_request(stream.request_id, stream.prompt_ids, params=stream.params)
         except RefengineError as e:
             stream.error = e
-            self._slots.release()
+            self._end_slot(ended_by_error_or_abort=True)
         else:
             self._streams[stream.request_id] = stream
             self._count("requests_total", +1)
@@ -173,7 +189,7 @@ class EngineThread(threading.Thread):
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
                 self.engine.release(event.request_id)
-                self._slots.release()
+                self._end_slot(ended_by_error_or_abort=event.finish_reason == "abort")
                 self._count("requests_aborted" if event.finish_reason == "abort" else "requests_finished", +1)
                 if event.finish_reason in ("stop", "length"):
                     self._count(f"requests_finished_{event.finish_reason}", +1)

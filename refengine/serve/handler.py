@@ -147,7 +147,8 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._send_whole(stream, builder)
         except BaseException as e:  # whatever ends this worker early frees the request (a finished one ignores it)
-            s.engine_thread.abort(request.request_id)
+            if s.abort_on_hang_up or not isinstance(e, (ClientGone, OSError)):  # Fault.HANG_UP_WITHOUT_ABORT
+                s.engine_thread.abort(request.request_id)
             self.close_connection = True
             if not isinstance(e, (ClientGone, OSError)):
                 raise

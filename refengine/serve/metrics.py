@@ -16,6 +16,8 @@ GAUGES = (
     ("vllm:num_requests_waiting", "waiting", "Number of requests waiting in the engine queue."),
     ("refengine_requests_in_flight", "in_flight", "Requests admitted and not finished."),
     ("refengine_slot_waiters", "slot_waiters", "Requests waiting for an admission slot."),
+    ("refengine_slots_used", "slots_used", "Admission slots taken (max_num_seqs + max_waiting in all)."),
+    ("refengine_slots_total", "slots_total", "Admission slots in all (max_num_seqs + max_waiting)."),
     ("refengine_batch_active", "batch_active", "Requests in the current step's batch (0 when idle)."),
     ("refengine_kv_blocks_used", "kv_blocks_used", "KV-cache blocks in use."),
     ("refengine_kv_blocks_free", "kv_blocks_free", "KV-cache blocks free."),

@@ -3,8 +3,13 @@ refengine/suite/test_http.py send to a server (in-process `refengine serve`, or 
 OpenAI-compatible server given by `--engine-url`).
 
 A schedule is 1-MAX_HTTP_REQUESTS requests, all in flight together (one client each). A request is
-exactly five draws, so the shrinker can delete whole requests:
-- case: an index into the golden cases (the same case may be drawn more than once);
+exactly five draws and the schedule nothing else, so the shrinker can delete any whole request (its
+deletion pass removes up to five consecutive draws: a list's own "one more?" draw per element would
+make a request six, and only trailing requests could go):
+- case: an index into the golden cases (the same case may be drawn more than once), drawn from
+  MORE_REQUESTS_FACTOR x as many values: the draw mod the number of cases is the case, and a draw below
+  the number of cases also makes this request the schedule's last (so the simplest draw, 0, is the
+  first golden case and the end of the schedule);
 - api: `completions`, or `chat` when drawn and the case has chat messages (a chat case sent as a
   completion carries its golden prompt ids; to a server that takes no token-id prompts, `id_prompts`
   False, a chat case always goes as chat);
@@ -33,6 +38,7 @@ from ..validate.plan import Planned
 MAX_HTTP_REQUESTS = 6
 MAX_ARRIVAL_STEPS = 5
 MAX_CANCEL_CHUNKS = 8
+MORE_REQUESTS_FACTOR = 3  # a request is the last with probability about 1/3: schedules of ~3 requests
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,33 @@ class HttpRequest:
 
 
 @st.composite
-def http_requests(draw, golden: Golden, id_prompts: bool = True) -> HttpRequest:
-    """`id_prompts` False: the server takes no token-id prompts, so a chat case always goes as chat
-    (the api is still drawn: a request stays five draws)."""
-    index = draw(st.integers(0, len(golden.cases) - 1))
+def http_requests(draw, golden: Golden, id_prompts: bool = True) -> tuple[HttpRequest, bool]:
+    """(the request, whether it is the schedule's last). `id_prompts` False: the server takes no
+    token-id prompts, so a chat case always goes as chat (the api is still drawn: a request stays five
+    draws)."""
+    num_cases = len(golden.cases)
+    drawn = draw(st.integers(0, MORE_REQUESTS_FACTOR * num_cases - 1))
+    index, last = drawn % num_cases, drawn < num_cases
     case = golden.cases[index]
     chat = (draw(st.booleans()) or not id_prompts) and bool(case.messages)
     stream = draw(st.booleans())
     arrival = draw(st.integers(0, MAX_ARRIVAL_STEPS))
     leave = draw(st.integers(0, MAX_CANCEL_CHUNKS))  # 0: run to completion
     return HttpRequest(index, case.id, "chat" if chat else "completions", stream, arrival,
-                       leave if stream and leave else None)
+                       leave if stream and leave else None), last
+
+
+@st.composite
+def request_lists(draw, golden: Golden, max_requests: int, id_prompts: bool = True) -> list[HttpRequest]:
+    """1-max_requests requests, five draws each and nothing between them (see http_requests: the
+    case draw says whether more follow)."""
+    requests = []
+    while len(requests) < max_requests:
+        request, last = draw(http_requests(golden, id_prompts))
+        requests.append(request)
+        if last:
+            break
+    return requests
 
 
 def twinned(request: HttpRequest) -> list[HttpRequest]:
@@ -79,8 +101,8 @@ def http_schedules(draw, golden: Golden, max_requests: int = MAX_HTTP_REQUESTS,
     """With `twins`, every drawn request is followed by its twin (see twinned), so every schedule has
     streamed and whole answers of one case to compare; max_requests still bounds the whole list."""
     if not twins:
-        return draw(st.lists(http_requests(golden, id_prompts), min_size=1, max_size=max_requests))
-    drawn = draw(st.lists(http_requests(golden, id_prompts), min_size=1, max_size=max(1, max_requests // 2)))
+        return draw(request_lists(golden, max_requests, id_prompts))
+    drawn = draw(request_lists(golden, max(1, max_requests // 2), id_prompts))
     return [request for each in drawn for request in twinned(each)]
 
 

@@ -5,6 +5,8 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
   (joins mid-batch) and how it leaves: after `max_tokens` 1-MAX_TOKENS (a small one is an early
   leave) or by an abort (`abort_step`) ABORT_DELAYS steps after its arrival (0 = before it ran);
 - sampling: some requests sample with a seed (see sampling); the others are greedy;
+- logprobs: some requests ask for logprobs (`"logprobs": K`, K of LOGPROB_COUNTS alternatives per
+  step, 0 = the chosen token's only); the others ask for none, which is what the shrinker goes to;
 - the pool always holds the largest request (each request fits alone, so each is admissible).
 Two shapes, half of the schedules each:
 - burst (first, so also what Hypothesis tries first and shrinks towards): every request joins in
@@ -14,8 +16,8 @@ Two shapes, half of the schedules each:
   preempt, and resume by recomputing prompt and generated tokens;
 - staggered: arrivals 0-MAX_ARRIVAL, aborts, a pool from the largest request alone up to three
   times it (tight pools preempt when requests happen to overlap).
-A request is exactly four draws (prompt length, prompt bytes, arrival, leave) and sampling is drawn
-apart from it: Hypothesis's shrinker deletes at most five consecutive choices at a time (a list
+A request is exactly four draws (prompt length, prompt bytes, arrival, leave) and sampling and
+logprobs are drawn apart from it (each a list of (request, value) picks, after the requests): Hypothesis's shrinker deletes at most five consecutive choices at a time (a list
 element plus the list's "one more?" flag), so this is what lets it delete whole requests. A shrunk
 schedule is one greedy request or the few its failure needs, on the roomiest engine settings that
 still fail.
@@ -32,6 +34,7 @@ MAX_REQUESTS = 5
 MAX_TOKENS = 8
 MAX_ARRIVAL = 12
 ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
+LOGPROB_COUNTS = (0, 1, 2, 5, 20)  # alternatives per step; 20 is the server's most (OpenAI's limit)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -81,5 +84,8 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
         pick = st.integers(0, max_requests - 1)  # a request, counted modulo how many there are
         for n, params in draw(st.lists(st.tuples(pick, seeded), max_size=max_requests)):
             reqs[n % len(reqs)]["sampling"] = params
+    pick = st.integers(0, max_requests - 1)
+    for n, count in draw(st.lists(st.tuples(pick, st.sampled_from(LOGPROB_COUNTS)), max_size=max_requests)):
+        reqs[n % len(reqs)]["logprobs"] = count
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}

@@ -32,7 +32,7 @@ from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
 REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
 MEMO_SIZE = 2048
 COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill",
-            "prefill before a decode", "partial prefill not last")
+            "prefill before a decode", "partial prefill not last", "logprobs requested")
 
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
@@ -96,7 +96,7 @@ baselines = MemoizedBaselines()
 def coverage(schedule: dict, trace: list[dict]) -> set[str]:
     """The batching situations (COVERAGE) a run met."""
     prompt_len = {r["id"]: len(r["prompt_ids"]) for r in schedule["requests"]}
-    seen = set()
+    seen = {"logprobs requested"} if any("logprobs" in r for r in schedule["requests"]) else set()
     for entry in trace:
         phases = {c["phase"] for c in entry["scheduled"]}
         if len(entry["scheduled"]) > 1:

@@ -166,11 +166,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+HTTP_MAX_WAITING = 2  # + 4 seats = strategies.http_schedules.MAX_HTTP_REQUESTS admission slots
+HTTP_QUEUE_TIMEOUT_S = 3.0
+
+
 @pytest.fixture(scope="session")
 def http_engine(request):
     """(url, golden) for the HTTP invariants: the --engine-url server and the --golden file, or an
     in-process OpenAIServer on 127.0.0.1 serving the default tiny model (4 seats, 32-token steps so
-    prefill chunks mix with decodes and requests queue)."""
+    prefill chunks mix with decodes and requests queue; HTTP_MAX_WAITING waiting slots, so its 6
+    admission slots are exactly a largest schedule's requests: a leaked slot turns into a refused
+    request, verdict "error", within HTTP_QUEUE_TIMEOUT_S, in one run)."""
     from ..check.golden import read_golden
     from ..engine import EngineConfig
     from ..errors import RefengineError
@@ -195,7 +201,8 @@ def http_engine(request):
     if url:
         yield url, golden
         return
-    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1")
+    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1",
+                          max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
     server.start()
     yield server.url, golden
     server.close()

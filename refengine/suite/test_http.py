@@ -8,7 +8,14 @@ else an in-process refengine server on 127.0.0.1 serving the default tiny model 
   validate.load.MIN_OVERLAP_FRACTION overlapped another (validate's rule; arrival steps are scaled to
   the server's measured alone latency, so this holds on fast and slow servers);
 - streamed and whole answers of the same case in one schedule are identical;
-- afterwards the server drains: nothing running or waiting, KV use back to where it started (read
+- a hang-up is an abort: every streamed request that hung up while its golden answer had more than
+  ABORT_WITHIN_STEPS tokens to come is counted aborted by the server (`requests_aborted`) within
+  ABORT_WITHIN_STEPS engine steps of the hang-up — long before it would have finished — and the
+  schedule's aborts are at most its hang-ups and errors (skipped on a server that counts no aborts or
+  no engine steps);
+- afterwards the server drains within ABORT_WITHIN_STEPS engine steps of the last answer (a wall
+  clock DRAIN_DEADLINE_S where the server counts no steps): nothing running or waiting, KV use and,
+  where reported, requests in flight and admission slots taken back to where they started (read
   from /admin/api/status, Prometheus /metrics or llama.cpp's /slots: validate.drain; skipped on a
   server with none of them).
 A failing property raises PropertyFailure whose message names the schedule (Hypothesis reports the
@@ -16,6 +23,8 @@ shrunk one last). tests/test_invariants_http.py shows each can fail against a fa
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -27,7 +36,13 @@ from ..validate.baseline import GoldenBaseline
 from ..validate.board import send_alone, served_model
 from ..validate.client import Endpoint
 from ..validate.dialect import accepts_id_prompts
-from ..validate.drain import server_state, wait_drained
+from ..validate.drain import (
+    State,
+    read_source,
+    server_state,
+    wait_drained,
+    wait_drained_within_steps,
+)
 from ..validate.load import MIN_OVERLAP_FRACTION, replay
 from ..validate.plan import Planned
 from ..validate.report import describe_record
@@ -40,6 +55,9 @@ pytestmark = [pytest.mark.invariants, pytest.mark.http,
 TIMEOUT_S = 60
 DRAIN_DEADLINE_S = 30
 COMPLETED = ("match", "explained", "diverged")
+ABORT_WITHIN_STEPS = 32  # engine steps from a hang-up to its abort, and from the last answer to drained
+STATUS_POLL_S = 0.01
+IDLE_S = 0.5  # an engine idle this long (nothing running or waiting, no step) that still holds something: a leak
 
 
 @dataclass(frozen=True)
@@ -144,12 +162,91 @@ def streamed_equals_whole(server: Server, schedule) -> None:
                  f"{s['case']!r}: {why}; http schedule:\n" + outcomes(records), records)
 
 
+def settled(server: Server) -> State | None:
+    """The server's state once nothing runs or waits (what an earlier schedule left may still be
+    finishing: the baseline of a schedule is taken after it). Not a check: a server that never settles
+    is judged by the properties, against the state it had."""
+    state = server_state(server.endpoint)
+    deadline = time.monotonic() + DRAIN_DEADLINE_S
+    while state is not None and (state.running or state.waiting) and time.monotonic() < deadline:
+        time.sleep(STATUS_POLL_S)
+        state = read_source(server.endpoint, state.path) or state
+    return state
+
+
 def server_drains(server: Server, schedule) -> None:
-    baseline = server_state(server.endpoint)  # idle: the server is this test's alone (xdist_group)
+    baseline = settled(server)  # the server is this test's alone (xdist_group)
     records = send(server, schedule)
-    ok, _, note = wait_drained(server.endpoint, baseline, DRAIN_DEADLINE_S, poll_s=0.02)
+    if baseline is not None and baseline.steps is not None:
+        ok, _, note = wait_drained_within_steps(server.endpoint, baseline, ABORT_WITHIN_STEPS,
+                                                idle_s=IDLE_S, deadline_s=DRAIN_DEADLINE_S, poll_s=STATUS_POLL_S)
+    else:
+        ok, _, note = wait_drained(server.endpoint, baseline, DRAIN_DEADLINE_S, poll_s=0.02)
     if not ok:
         fail(server, "http-server-drains", f"{note}; http schedule:\n" + outcomes(records), records)
+
+
+class StatusPoller:
+    """(monotonic time, State) every STATUS_POLL_S while a schedule runs: which engine step each
+    hang-up happened at, and how many aborts the server had counted by then."""
+
+    def __init__(self, server: Server, path: str):
+        self.endpoint, self.path = server.endpoint, path
+        self.samples: list[tuple[float, State]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-poller", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                state = read_source(self.endpoint, self.path)
+            except OSError:
+                state = None
+            if state is not None:
+                self.samples.append((time.monotonic(), state))
+            self._stop.wait(STATUS_POLL_S)
+
+
+def tokens_to_come(server: Server, record: dict) -> int:
+    """How many tokens the golden answer of a hung-up request had after the ones it received."""
+    case = next(c for c in server.golden.cases if c.id == record["case"])
+    return len(case.token_ids) - (record["tokens"] or 0)
+
+
+def hang_ups_are_aborts(server: Server, schedule) -> None:
+    baseline = settled(server)
+    start = time.monotonic()  # validate.load.replay's clock starts a moment later: hang-ups are seen no later
+    with StatusPoller(server, baseline.path) as poller:
+        records = send(server, schedule)
+        ok, last, drain_note = wait_drained_within_steps(server.endpoint, baseline, ABORT_WITHIN_STEPS,
+                                                         idle_s=IDLE_S, deadline_s=DRAIN_DEADLINE_S, poll_s=STATUS_POLL_S)
+    samples = poller.samples + [(time.monotonic(), last)]
+    must_abort = sorted((r for r in records if r["verdict"] == "cancelled"
+                         and tokens_to_come(server, r) > ABORT_WITHIN_STEPS), key=lambda r: r["done_s"])
+    may_abort = sum(r["verdict"] in ("cancelled", "error") for r in records)
+    for n, r in enumerate(must_abort, 1):
+        at_hang_up = next((s for t, s in samples if t >= start + r["done_s"]), last)
+        later = next((s for _, s in samples if s.steps >= at_hang_up.steps + ABORT_WITHIN_STEPS), last)
+        if later.aborted - baseline.aborted < n:
+            fail(server, "http-hang-ups-are-aborts",
+                 f"{r['id']} hung up after {r['tokens']} tokens with {tokens_to_come(server, r)} to come, at "
+                 f"engine step {at_hang_up.steps}; {later.steps - at_hang_up.steps} steps later the server had "
+                 f"counted {later.aborted - baseline.aborted} aborts for the schedule's first {n} such hang-ups "
+                 f"(requests_aborted from {baseline.source}); http schedule:\n" + outcomes(records), records)
+    aborted = last.aborted - baseline.aborted
+    if aborted > may_abort:
+        fail(server, "http-hang-ups-are-aborts", f"{aborted} requests aborted, but only {may_abort} hung up or "
+             f"failed; http schedule:\n" + outcomes(records), records)
+    if not ok:
+        fail(server, "http-hang-ups-are-aborts", f"{drain_note}; http schedule:\n" + outcomes(records), records)
 
 
 # --- the tests ----------------------------------------------------------------------------------
@@ -178,6 +275,15 @@ def test_streamed_and_whole_answers_are_identical(server):
 
 
 def test_server_drains_after_every_schedule(server):
+    """...admission slots included: in_flight and slots_used back to their start."""
     if server_state(server.endpoint) is None:
         pytest.skip(f"{server.endpoint.url}: server exposes no status (/admin/api/status, /metrics, /slots)")
     http_property(server_drains, server)()
+
+
+def test_a_hang_up_is_an_abort(server):
+    state = server_state(server.endpoint)
+    if state is None or state.aborted is None or state.steps is None:
+        pytest.skip(f"{server.endpoint.url}: server counts no aborts or no engine steps "
+                    f"(requests_aborted and steps on /admin/api/status, or /metrics)")
+    http_property(hang_ups_are_aborts, server)()

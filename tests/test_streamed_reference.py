@@ -1,0 +1,57 @@
+"""The streamed float64 reference (model.weights.StreamedWeights: one layer widened at a time, the
+output head in row blocks) gives the in-memory reference's results bit for bit, and a model whose
+float64 weights exceed the streaming threshold takes that path without holding them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refengine.model import load_model, loader, weights
+from refengine.model.tiny import TinySpec, make_tiny
+from refengine.reference import KVCache, forward, generate, generate_lockstep
+from refengine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    """Untied, bf16 and sharded: every read path (rows of the embedding, blocks of lm_head, layers
+    across files, widening bf16)."""
+    return load_model(make_tiny(tmp_path_factory.mktemp("bf16"), TinySpec(tie=False), dtype="BF16", shards=2))
+
+
+def test_streamed_forward_is_bit_identical_to_the_in_memory_one(bf16_model, monkeypatch):
+    monkeypatch.setattr(weights, "HEAD_BLOCK_ROWS", 100)  # several head blocks, the last one short
+    ids = [5, 9, 13, 200, 7, 7]
+    in_memory = forward(bf16_model.weights(np.float64), bf16_model.config, ids, KVCache())
+    streamed_weights = weights.StreamedWeights.of(bf16_model.checkpoint, np.float64)
+    cache = KVCache()
+    streamed = forward(streamed_weights, bf16_model.config, ids[:4], cache)
+    streamed = np.concatenate([streamed, forward(streamed_weights, bf16_model.config, ids[4:], cache)])
+    assert streamed.dtype == np.float64 and np.array_equal(streamed, in_memory)
+
+
+def test_a_model_over_the_threshold_is_streamed_by_generate(bf16_model, monkeypatch):
+    params = SamplingParams(max_tokens=12)
+    monkeypatch.setattr(weights, "HEAD_BLOCK_ROWS", 128)
+    assert isinstance(bf16_model.reference_weights(np.float64), weights.Weights)  # 0.3 MB in float64
+    whole = generate(bf16_model, [3, 1, 4, 1, 5], params)
+    monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", 0)
+    assert isinstance(bf16_model.reference_weights(np.float64), weights.StreamedWeights)
+    streamed = generate(bf16_model, [3, 1, 4, 1, 5], params)
+    assert streamed.token_ids == whole.token_ids and streamed.margins == whole.margins
+    assert [s.top_logprobs for s in streamed.steps] == [s.top_logprobs for s in whole.steps]
+
+
+def test_lockstep_answers_are_bit_identical_to_each_prompt_alone(bf16_model, monkeypatch):
+    """Several prompts of different lengths and budgets in lockstep (one pass over the weights per
+    token for all), streamed or not: each answer is exactly its prompt's answer alone."""
+    monkeypatch.setattr(weights, "HEAD_BLOCK_ROWS", 200)
+    prompts = [[3, 1, 4, 1, 5], [9], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8], [6, 6]]
+    params = [SamplingParams(max_tokens=n) for n in (7, 3, 12, 1)]
+    alone = [generate(bf16_model, p, sp) for p, sp in zip(prompts, params)]
+    for threshold in (1 << 40, 0):  # in memory, then streamed
+        monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", threshold)
+        together = generate_lockstep(bf16_model, prompts, params)
+        for a, b in zip(alone, together):
+            assert (a.token_ids, a.margins, a.finish_reason) == (b.token_ids, b.margins, b.finish_reason)
+            assert [s.top_logprobs for s in a.steps] == [s.top_logprobs for s in b.steps]
