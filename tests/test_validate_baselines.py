@@ -131,3 +131,12 @@ def test_a_serial_divergence_is_explained_only_at_the_servers_own_margin(serve):
     assert judge_serial("c", alone, flipped, margins[step]).kind == "explained"
     without_logprobs = Completion(alone.text, alone.token_ids, None, alone.finish_reason, False)
     assert judge_serial("c", without_logprobs, flipped, 1e9).kind == "diverged"  # no margin known: strict
+
+
+@pytest.mark.parametrize("fault", [None, "hang-up-without-abort"])
+def test_a_hang_up_the_server_does_not_abort_fails_the_run(serve, tmp_path, fault):
+    """Long answers that the client leaves early must be counted as aborts by the server's status."""
+    code, report = validate(tmp_path, "--url", serve(fault), "--golden", str(GOLDEN), "--cancel-rate", "0.5")
+    aborts = report["drain"]["aborts"]
+    assert aborts["must"], "the schedule has no hang-up of a long answer"  # seed 0: two of them
+    assert aborts["ok"] is (fault is None) and (code == 0) is (fault is None)

@@ -45,6 +45,7 @@ from ..validate.drain import (
 )
 from ..validate.load import MIN_OVERLAP_FRACTION, replay
 from ..validate.plan import Planned
+from ..validate.precision import agreeing
 from ..validate.report import describe_record
 from ..validate.repro import repro, write_repro
 from .harness import PropertyFailure, repro_dir
@@ -130,6 +131,23 @@ def check_records(server: Server, records: list[dict]) -> None:
     if failed:
         fail(server, "http-answers-match-golden", "answers that fail the margin rule; http schedule:\n"
              + outcomes(records) + "\n" + "\n".join(diffs), records)
+    check_logprobs(server, records)
+
+
+def check_logprobs(server: Server, records: list[dict]) -> None:
+    """The OpenAI logprobs a completed answer reports (validate asks every request for them): on
+    every step that agrees with the golden tokens, within twice the golden tolerance of the float64
+    logprob (a logprob is a logit minus the row's logsumexp: each moves by at most the logit bound)."""
+    bound = 2 * server.golden.tolerance
+    cases = {c.id: c for c in server.golden.cases}
+    for r in records:
+        if r["verdict"] not in COMPLETED or r.get("token_ids") is None or not r.get("logprobs"):
+            continue
+        deltas = agreeing(r, cases[r["case"]])
+        if deltas and max(deltas) > bound:
+            fail(server, "http-answers-match-golden", f"{r['id']} ({r['case']!r}): a logprob of an agreeing token is "
+                 f"{max(deltas):.3g} from the golden float64 one (bound {bound:.3g}, at step "
+                 f"{deltas.index(max(deltas))} of the agreeing steps); http schedule:\n" + outcomes(records), records)
 
 
 def parting(case: GoldenCase, a: dict, b: dict, tolerance: float) -> str | None:

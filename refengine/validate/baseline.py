@@ -49,6 +49,9 @@ class GoldenBaseline:
     def __init__(self, golden: Golden, tolerance: float):
         self.golden, self.tolerance = golden, tolerance
 
+    def expected_tokens(self, case_id: str, api: str) -> int | None:
+        return next((len(c.token_ids) for c in self.golden.cases if c.id == case_id), None)
+
     def judge(self, p: Planned, completion: Completion) -> dict:
         case = p.case
         mismatch = prompt_mismatch(case.prompt_ids, completion.prompt_token_ids, "golden prompt")
@@ -102,6 +105,10 @@ class SerialBaseline:
                  failed: dict[tuple[str, str], str] | None = None):
         self.alone, self.tolerance = alone, tolerance  # (case id, api) -> the answer sent alone
         self.failed = failed or {}                    # (case id, api) -> why its alone request failed
+
+    def expected_tokens(self, case_id: str, api: str) -> int | None:
+        alone = self.alone.get((case_id, api))
+        return None if alone is None or alone.token_ids is None else len(alone.token_ids)
 
     def judge(self, p: Planned, completion: Completion) -> dict:
         if (p.case.id, p.api) in self.failed:

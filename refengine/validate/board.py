@@ -27,6 +27,7 @@ from .precision import precision
 
 __all__ = ["Cases", "served_model", "validate"]
 DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long a server may take to drain
+ABORT_SLACK = 32  # a hang-up this close to its answer's end may finish before the server notices
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     drain = {"checked": state is not None, "drained": drained, "note": note,
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
                  "kv_usage": state.kv_usage} if state is not None else {})}
+    if state is not None and drain_baseline is not None and None not in (state.aborted, drain_baseline.aborted):
+        drain["aborts"] = abort_accounting(requests, state.aborted - drain_baseline.aborted, baseline)
+        drained = drained and drain["aborts"]["ok"]
     load = overlap(requests)
     alone_errors = sum(r["verdict"] == "error" for r in alone_records)
     if counts["diverged"] or counts["error"] or alone_errors or (drain["checked"] and not drained):
@@ -146,6 +150,22 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         "summary": {"requests": len(requests), **counts, "alone_errors": alone_errors, "wall_s": wall_s,
                     "verdict": verdict, "passed": verdict == "PASS"},
     }
+
+
+def abort_accounting(requests: list[dict], counted: int, baseline) -> dict:
+    """A hang-up is an abort: every request that hung up with more than ABORT_SLACK tokens of its
+    baseline answer still to come must have been counted as aborted by the server (by the end of the
+    drain it would otherwise have finished), and no more requests than hung up or failed."""
+    def to_come(r):
+        expected = baseline.expected_tokens(r["case"], r["api"])
+        return None if expected is None or r["tokens"] is None else expected - r["tokens"]
+
+    must = [r["id"] for r in requests if r["verdict"] == "cancelled" and (to_come(r) or 0) > ABORT_SLACK]
+    may = sum(r["verdict"] in ("cancelled", "error") for r in requests)
+    ok = len(must) <= counted <= may
+    note = (f"{counted} aborts counted for {len(must)} hang-ups with more than {ABORT_SLACK} tokens to come "
+            f"({may} requests hung up or failed)")
+    return {"counted": counted, "must": must, "may": may, "ok": ok, "note": note}
 
 
 def tolerance_from(settings: Settings) -> str:

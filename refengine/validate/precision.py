@@ -41,7 +41,7 @@ MAX_KEPT_DELTAS = 10_000
 __all__ = ["MAX_KEPT_DELTAS", "agreeing_deltas", "format_precision", "plot_precision", "precision"]
 
 
-def _agreeing(record: dict, case) -> list[float]:
+def agreeing(record: dict, case) -> list[float]:
     """|server logprob - golden logprob| on each agreeing step of one compared record with ids."""
     ids, logprobs = record["token_ids"], record["logprobs"]
     end = record.get("step") if record["verdict"] in ("explained", "diverged") else None
@@ -69,7 +69,7 @@ def agreeing_deltas(records: list[dict], golden) -> tuple[np.ndarray, dict]:
             counts["without_logprobs"] += 1
         else:
             counts["records"] += 1
-            deltas += _agreeing(r, cases[r["case"]])
+            deltas += agreeing(r, cases[r["case"]])
     return np.asarray(deltas, dtype=np.float64), counts
 
 

@@ -73,6 +73,9 @@ def format_report(report: dict) -> str:
     if report.get("precision"):
         lines += format_precision(report["precision"])
     lines.append(f"drain: {report['drain']['note']}")
+    if "aborts" in report["drain"]:
+        lines.append(f"aborts: {report['drain']['aborts']['note']}" + ("" if report["drain"]["aborts"]["ok"]
+                                                                     else " -> a hang-up that was not aborted"))
     if summary["verdict"] == "INCONCLUSIVE":
         lines.append(inconclusive_advice(report))
     lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS) + f" -> {summary['verdict']}")
