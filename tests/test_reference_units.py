@@ -6,8 +6,15 @@ import math
 import numpy as np
 import pytest
 
+from refengine.errors import RefengineError
 from refengine.reference import apply_rope, causal_attention, rms_norm
-from refengine.sampling import greedy_token, log_softmax, top2_margin, top_logprobs
+from refengine.sampling import (
+    SamplingParams,
+    greedy_token,
+    log_softmax,
+    top2_margin,
+    top_logprobs,
+)
 
 
 def test_rms_norm_divides_by_root_mean_square_then_scales():
@@ -152,3 +159,10 @@ def test_the_building_blocks_keep_float32_inputs_in_float32():
     assert rms_norm(q, np.ones(4, dtype=np.float32), eps=1e-6).dtype == np.float32
     np.testing.assert_allclose(causal_attention(q, k, v, positions),
                                causal_attention(*(a.astype(np.float64) for a in (q, k, v)), positions), rtol=1e-5)
+
+
+@pytest.mark.parametrize("field, kwargs", [("temperature", {"temperature": -1.0}), ("max_tokens", {"max_tokens": 0}),
+                                           ("top_k", {"top_k": -1}), ("top_p", {"top_p": 0.0})])
+def test_bad_sampling_params_are_refused_naming_the_field(field, kwargs):
+    with pytest.raises(RefengineError, match=f"^{field}:"):
+        SamplingParams(**kwargs)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import currently_in_test_context, event, given
 from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from ..check.calibrate import calibration_for
 from ..check.comparison import logit_deviation
@@ -32,7 +33,7 @@ from ..check.sampling_oracle import goodness_of_fit, nucleus
 from ..check.schedule import parse_schedule
 from ..engine import EngineConfig, LLMEngine
 from ..reference import prompt_logits
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, top2_margin
 from ..strategies import SAMPLERS, schedules, seeded, tiny_model_names
 from ..strategies.engine_settings import MODES
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE, tiny_model
@@ -154,3 +155,11 @@ def test_sampled_tokens_lie_in_the_float64_support(model, schedule):
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: "T{temperature}-k{top_k}-p{top_p}".format(**s))
 def test_first_token_distribution_fits_the_float64_target(sampler):
     check_first_token_distribution(sampler)
+
+
+@given(arrays(np.float32, st.integers(2, 64), elements=st.floats(-50, 50, width=32)))
+def test_top2_margin_is_the_gap_between_the_two_largest(row):
+    """The margin every tolerance is compared with: a wrong one would explain any divergence, and the
+    reference would compute it just as wrong (a survivor of mutation testing)."""
+    top = np.sort(row)[::-1]
+    assert top2_margin(row) == float(top[0] - top[1])

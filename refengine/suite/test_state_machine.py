@@ -47,6 +47,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.schedule = {"engine": settings, "requests": []}
         self.capacity = num_blocks * block_size
         self.failed = False
+        self.preemptions: dict[str, int] = {}  # per request, counted from the trace
         for _ in range(first_requests):
             self.add(data)
 
@@ -80,6 +81,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         status = self.engine.status()
+        running_before = [s.request_id for s in self.engine.scheduler.running]
         self.engine.step()
         entry = self.engine.trace[-1]
         scheduled = sum(c["num_tokens"] for c in entry["scheduled"])
@@ -94,6 +96,19 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         phases = [c["phase"] for c in entry["scheduled"]]
         self.check(config.scheduling_policy != "prefill-first" or phases == sorted(phases, reverse=True),
                    f"step {entry['step']} ran its chunks as {phases} under prefill-first")
+        self.check(all(c["num_tokens"] >= 1 for c in entry["scheduled"]),
+                   f"step {entry['step']} scheduled an empty chunk: {entry['scheduled']}")
+        ids = {c["id"] for c in entry["scheduled"]}
+        skipped = [r for r in running_before if r not in ids and r not in entry["preempted"]]
+        self.check(scheduled == config.max_num_batched_tokens or not skipped,
+                   f"step {entry['step']} left running {skipped} unscheduled with {scheduled} of "
+                   f"{config.max_num_batched_tokens} tokens used")
+        for request_id in entry["preempted"]:
+            self.preemptions[request_id] = self.preemptions.get(request_id, 0) + 1
+        for r in self.schedule["requests"]:
+            got = self.engine.output(r["id"]).num_preemptions
+            self.check(got == self.preemptions.get(r["id"], 0),
+                       f"{r['id']} reports {got} preemptions, the trace shows {self.preemptions.get(r['id'], 0)}")
 
     @invariant()
     def kv_accounting_adds_up(self):
@@ -131,3 +146,15 @@ class SchedulerKVMachine(RuleBasedStateMachine):
 
 class TestSchedulerKVMachine(SchedulerKVMachine.TestCase):
     pytestmark = pytest.mark.invariants
+
+
+@pytest.mark.invariants
+def test_max_num_seqs_holds_with_seats_full_and_requests_waiting():
+    """A fixed case the machine's random walk reaches rarely: one seat, two requests waiting for it."""
+    engine = LLMEngine(tiny_model(), EngineConfig(mode="fast", max_num_seqs=1, max_num_batched_tokens=16,
+                                                  block_size=4, num_blocks=12, max_model_len=128))
+    for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        engine.add_request(request_id, prompt, params=SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+        assert len(engine.trace[-1]["scheduled"]) <= 1 and len(engine.scheduler.running) <= 1, engine.trace[-1]
