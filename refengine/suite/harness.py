@@ -123,6 +123,7 @@ def observe(schedule: dict, trace: list[dict]) -> set[str]:
     if currently_in_test_context():
         for label in sorted(seen):
             event(label)
+        event(f"scheduling policy {schedule['engine'].get('scheduling_policy', 'fcfs')}")
         target(max((len(e["scheduled"]) for e in trace), default=0), label="batch size")
         target(sum(len(e["preempted"]) for e in trace), label="preemptions")
     return seen
