@@ -33,42 +33,24 @@ FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one K
 
 def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
-    faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=FAULT),
-                          host="127.0.0.1")
-    faulty.start()
-    failing = []
-
-    def answers_match_golden_on_faulty_server(server, schedule):
+    shrunk, failure = hunt(tiny_model, FAULT, answers_match_golden, "answers_match_golden_on_faulty_server",
+                           "diverged at generated token")
+    assert len(shrunk) == 1 and not shrunk[0].stream and shrunk[0].arrival == 0, shrunk
+    repro = json.loads(failure.repro.read_text())
+    assert [(r["case"], r["streamed"], r["verdict"]) for r in repro["requests"]] == \
+        [(shrunk[0].case_id, False, "diverged")]
+    for fault, code in ((FAULT, 1), (None, 0)):  # replayed: fails again at that request; passes when clean
+        server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault),
+                              host="127.0.0.1")
+        server.start()
         try:
-            answers_match_golden(server, schedule)
-        except PropertyFailure:
-            failing.append(schedule)  # Hypothesis replays the shrunk example last
-            raise
-
-    try:
-        found = http_property(answers_match_golden_on_faulty_server,
-                              connect(faulty.url, read_golden(shipped("golden", "tiny-default.jsonl"))),
-                              derandomize=True, database=None, report_multiple_bugs=False)
-        with pytest.raises(PropertyFailure, match="diverged at generated token") as failure:
-            found()
-        shrunk = failing[-1]
-        assert len(shrunk) == 1 and not shrunk[0].stream and shrunk[0].arrival == 0, shrunk
-        repro = json.loads(failure.value.repro.read_text())
-        assert [(r["case"], r["streamed"], r["verdict"]) for r in repro["requests"]] == \
-            [(shrunk[0].case_id, False, "diverged")]
-        again = tmp_path / "again.json"
-        assert main(["validate", "--replay", str(failure.value.repro), "--url", faulty.url, "--report", str(again),
-                     "--repro", str(tmp_path / "again-repro.json")]) == 1
-        assert [r["verdict"] for r in json.loads(again.read_text())["requests"]] == ["diverged"]
-    finally:
-        faulty.close()
-    clean = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1")
-    clean.start()
-    try:
-        assert main(["validate", "--replay", str(failure.value.repro), "--url", clean.url,
-                     "--repro", str(tmp_path / "clean-repro.json")]) == 0
-    finally:
-        clean.close()
+            report = tmp_path / f"again-{fault}.json"
+            assert main(["validate", "--replay", str(failure.repro), "--url", server.url, "--report", str(report),
+                         "--repro", str(tmp_path / f"again-{fault}-repro.json")]) == code
+            assert [r["verdict"] for r in json.loads(report.read_text())["requests"]] == \
+                ["diverged" if fault else "match"]
+        finally:
+            server.close()
 
 
 # --- server-side leaks: the serve layer's faults ---------------------------------------------------
