@@ -6,7 +6,9 @@ tokens, or the same server's answers sent alone.
 A run PASSes only under proven load (validate.load.overlap): unless given, the arrival spread comes
 from the server's measured alone latency L, as N * L / (2 * concurrency) for N requests: arrivals
 come twice as fast as `concurrency` servers working alone would finish them, so requests queue and
-join a running batch while others leave it.
+join a running batch while others leave it. A replayed repro (validate.repro) is sent as it was
+found and needs no overlap. After the run the server must drain (validate.drain), and where it
+counts aborts, every hang-up with much of its answer to come must be one (abort_accounting).
 """
 from __future__ import annotations
 
