@@ -7,6 +7,9 @@ else an in-process refengine server on 127.0.0.1 serving the default tiny model 
   really under load: of the compared requests in schedules of two or more, at least
   validate.load.MIN_OVERLAP_FRACTION overlapped another (validate's rule; arrival steps are scaled to
   the server's measured alone latency, so this holds on fast and slow servers);
+- every completed answer equals the same server's answer to that case and API sent alone (fetched
+  once, when the module connects: validate's serial baseline), except at the server's own top-2
+  margin within the golden tolerance;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort: every streamed request that hung up while its golden answer had more than
   ABORT_WITHIN_STEPS tokens to come is counted aborted by the server (`requests_aborted`) within
@@ -25,14 +28,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 
 from ..check.golden import Golden, GoldenCase
 from ..strategies.http_schedules import arrival_step_s, http_schedules, planned_requests
-from ..validate.baseline import GoldenBaseline
+from ..validate.baseline import GoldenBaseline, SerialBaseline
 from ..validate.board import send_alone, served_model
 from ..validate.client import Endpoint
 from ..validate.dialect import accepts_id_prompts
@@ -68,18 +71,22 @@ class Server:
     golden: Golden
     arrival_step_s: float  # strategies.http_schedules: from the shortest alone answer's latency
     id_prompts: bool = True  # /v1/completions takes token-id prompts (chat cases may go as completions)
+    alone: dict = field(default_factory=dict)  # (case id, api) -> the server's answer with nothing else in flight
 
 
 def connect(url: str, golden: Golden) -> Server:
-    """The server, with its pace: every golden case sent once alone, as a whole completion."""
+    """The server, with its pace and its own alone answers: every golden case sent once alone, whole,
+    to each API a schedule may send it to."""
     endpoint = Endpoint(url, TIMEOUT_S)
     name = served_model(endpoint)["id"]
     chat_cases = sorted((c for c in golden.cases if c.messages), key=lambda c: len(c.prompt_ids))
     id_prompts = not chat_cases or accepts_id_prompts(endpoint, name, chat_cases[0].prompt_ids)
-    alone = [Planned(case.id, case, "chat" if case.messages and not id_prompts else "completions", 0.0, False, None)
-             for case in golden.cases]
-    _, records = send_alone(endpoint, alone, name, dialect=None)
-    return Server(endpoint, name, golden, arrival_step_s(min(r["latency_s"] for r in records)), id_prompts)
+    apis = [(case, api) for case in golden.cases for api in ("completions", "chat")
+            if (api == "chat" and case.messages) or (api == "completions" and (id_prompts or not case.messages))]
+    kept, records = send_alone(endpoint, [Planned(case.id, case, api, 0.0, False, None) for case, api in apis],
+                               name, dialect=None)
+    pace = min(r["latency_s"] for r in records if r["api"] == "completions" or not id_prompts)
+    return Server(endpoint, name, golden, arrival_step_s(pace), id_prompts, kept.answers)
 
 
 def http_property(check, server: Server, twins: bool = False, **overrides):
@@ -92,11 +99,25 @@ def http_property(check, server: Server, twins: bool = False, **overrides):
     return settings(**overrides)(given(schedule=schedules)(run))
 
 
-def send(server: Server, schedule) -> list[dict]:
-    """Every request of the schedule at its arrival time, all in flight together; validate's records."""
+def send(server: Server, schedule, baseline=None) -> list[dict]:
+    """Every request of the schedule at its arrival time, all in flight together; validate's records,
+    judged by `baseline` (default: the golden file)."""
     planned = planned_requests(schedule, server.golden, server.arrival_step_s)
-    return replay(server.endpoint, planned, server.served_name, GoldenBaseline(server.golden, server.golden.tolerance),
-                  len(planned))
+    baseline = baseline or GoldenBaseline(server.golden, server.golden.tolerance)
+    return replay(server.endpoint, planned, server.served_name, baseline, len(planned))
+
+
+def answers_equal_alone(server: Server, schedule) -> None:
+    """Validate's serial baseline as a property: every completed answer is the server's own alone
+    answer to that case and API, except at the server's own top-2 margin within the golden tolerance
+    (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs)."""
+    records = send(server, schedule, SerialBaseline(server.alone, server.golden.tolerance))
+    failed = [r for r in records if r["verdict"] in ("diverged", "error")]
+    if failed:
+        fail(server, "http-answers-equal-alone", "answers that differ from the server's own alone answers; http "
+             "schedule:\n" + outcomes(records) + "\n"
+             + "\n".join(describe_record(r, server.golden.tolerance, "serial") for r in failed
+                          if r["verdict"] == "diverged"), records)
 
 
 def outcomes(records: list[dict]) -> str:
@@ -286,6 +307,10 @@ def test_completed_answers_match_golden(server):
     http_property(answers_match_golden_while_counting_overlaps, server)()
     assert overlaps and sum(overlaps) >= MIN_OVERLAP_FRACTION * len(overlaps), \
         f"inconclusive: only {sum(overlaps)} of {len(overlaps)} compared requests overlapped another"
+
+
+def test_answers_equal_the_servers_own_alone_answers(server):
+    http_property(answers_equal_alone, server)()
 
 
 def test_streamed_and_whole_answers_are_identical(server):
