@@ -40,23 +40,14 @@ def replay_repro(args) -> int:
     if args.golden and args.prompts:
         raise RefengineError("validate: give at most one of --golden FILE or --prompts FILE with --replay")
     source = args.golden or args.prompts or data["source"]
-    golden = bool(args.golden) or (not args.prompts and _is_golden(source))
+    # a repro made from a golden file records that file's model fingerprint; one from a prompts file, null
+    golden = bool(args.golden) or (not args.prompts and data.get("model_fingerprint") is not None)
     cases = load_cases(source if golden else None, None if golden else source)
     s = data["settings"]
     settings = Settings(concurrency=s["concurrency"], margin_tolerance=s.get("margin_tolerance"), api=s["api"],
                         timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"])
     report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay))
     return finish(args, report, cases)
-
-
-def _is_golden(path: str) -> bool:
-    """A golden file starts with its header line ({"golden": 1, ...}); a prompts file with a case."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = f.readline()
-    except OSError as e:
-        raise RefengineError(f"{path}: cannot read ({e.strerror})") from None
-    return first.lstrip().startswith('{"golden"')
 
 
 def finish(args, report: dict, cases: Cases) -> int:
