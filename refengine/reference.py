@@ -82,48 +82,60 @@ class KVCache:
     def length(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
 
+    def extend(self, layer: int, k, v):  # k, v [seq, n_kv_heads, hd] -> every key and value so far [total, ...]
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = np.concatenate([self.keys[layer], k])      # [total, n_kv_heads, hd]
+            self.values[layer] = np.concatenate([self.values[layer], v])  # [total, n_kv_heads, hd]
+        return self.keys[layer], self.values[layer]
 
-def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, cache: KVCache, positions):
-    seq = x.shape[0]
-    q = linear(x, w.q_proj, w.q_bias).reshape(seq, cfg.num_heads, cfg.head_dim)     # [seq, n_heads, hd]
-    k = linear(x, w.k_proj, w.k_bias).reshape(seq, cfg.num_kv_heads, cfg.head_dim)  # [seq, n_kv_heads, hd]
-    v = linear(x, w.v_proj, w.v_bias).reshape(seq, cfg.num_kv_heads, cfg.head_dim)  # [seq, n_kv_heads, hd]
+
+def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions):
+    """x [tokens, hidden]: the rows of every sequence of `caches` in turn, positions[i] [seq_i] the
+    i-th's. The projections take every row in one product; attention is each sequence's own."""
+    tokens = x.shape[0]
+    q = linear(x, w.q_proj, w.q_bias).reshape(tokens, cfg.num_heads, cfg.head_dim)     # [tokens, n_heads, hd]
+    k = linear(x, w.k_proj, w.k_bias).reshape(tokens, cfg.num_kv_heads, cfg.head_dim)  # [tokens, n_kv_heads, hd]
+    v = linear(x, w.v_proj, w.v_bias).reshape(tokens, cfg.num_kv_heads, cfg.head_dim)  # [tokens, n_kv_heads, hd]
     if cfg.qk_norm:
         q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    q = apply_rope(q, positions, cfg.rope_theta)
-    k = apply_rope(k, positions, cfg.rope_theta)
-    if layer == len(cache.keys):
-        cache.keys.append(k)
-        cache.values.append(v)
-    else:
-        cache.keys[layer] = np.concatenate([cache.keys[layer], k])      # [total, n_kv_heads, hd]
-        cache.values[layer] = np.concatenate([cache.values[layer], v])  # [total, n_kv_heads, hd]
-    out = causal_attention(q, cache.keys[layer], cache.values[layer], positions)  # [seq, n_heads, hd]
-    return linear(out.reshape(seq, cfg.q_size), w.o_proj, w.o_bias)               # [seq, hidden]
+    q = apply_rope(q, np.concatenate(positions), cfg.rope_theta)
+    k = apply_rope(k, np.concatenate(positions), cfg.rope_theta)
+    bounds = np.cumsum([0] + [len(p) for p in positions])
+    out = [causal_attention(q[lo:hi], *cache.extend(layer, k[lo:hi], v[lo:hi]), pos)    # [seq_i, n_heads, hd]
+           for cache, pos, lo, hi in zip(caches, positions, bounds[:-1], bounds[1:])]
+    return linear(np.concatenate(out).reshape(tokens, cfg.q_size), w.o_proj, w.o_bias)  # [tokens, hidden]
 
 
-def mlp_block(x, w: LayerWeights):  # x [seq, hidden]
-    gate = silu(linear(x, w.gate_proj, w.gate_bias))  # [seq, intermediate]
-    up = linear(x, w.up_proj, w.up_bias)              # [seq, intermediate]
-    return linear(gate * up, w.down_proj, w.down_bias)  # [seq, hidden]
+def mlp_block(x, w: LayerWeights):  # x [tokens, hidden]
+    gate = silu(linear(x, w.gate_proj, w.gate_bias))  # [tokens, intermediate]
+    up = linear(x, w.up_proj, w.up_bias)              # [tokens, intermediate]
+    return linear(gate * up, w.down_proj, w.down_bias)  # [tokens, hidden]
 
 
-def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, cache: KVCache, positions):  # x [seq, hidden]
-    x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, cache, positions)
-    return x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)  # [seq, hidden]
+def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions):
+    """x [tokens, hidden]: the rows of every sequence of `caches` in turn (attention_block)."""
+    x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, caches, positions)
+    return x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)  # [tokens, hidden]
 
 
 def final_hidden_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
     """Per (ids, cache) of `batch`, the final-normed hidden states [len(ids), hidden] for `ids`
-    following that cache's positions; extends each cache. Layer by layer, every sequence on its own:
-    one pass over the weights (one widening of each streamed layer) serves them all, and each
-    sequence's arithmetic is exactly what it is alone."""
-    positions = [cache.length + np.arange(len(ids)) for ids, cache in batch]  # per sequence [seq]
-    xs = [weights.embed[np.asarray(ids)] for ids, _ in batch]                  # per sequence [seq, hidden]
+    following that cache's positions; extends each cache. One pass over the weights serves every
+    sequence: each weight multiplies all their rows at once (read, and streamed widened, once), and
+    each sequence attends over its own cache only. A sequence's results therefore depend on the
+    batch in the last bits (BLAS is not batch-invariant), never beyond float64 rounding
+    (tests/test_streamed_reference.py); alone, a batch of one, they are the plain serial forward's."""
+    caches = [cache for _, cache in batch]
+    positions = [cache.length + np.arange(len(ids)) for ids, cache in batch]  # per sequence [seq_i]
+    x = weights.embed[np.concatenate([np.asarray(ids) for ids, _ in batch])]  # [tokens, hidden]
     for layer, w in enumerate(weights.layers):
-        xs = [decoder_layer(x, w, cfg, layer, cache, pos) for x, (_, cache), pos in zip(xs, batch, positions)]
-    return [rms_norm(x, weights.norm, cfg.rms_norm_eps) for x in xs]          # per sequence [seq, hidden]
+        x = decoder_layer(x, w, cfg, layer, caches, positions)
+    x = rms_norm(x, weights.norm, cfg.rms_norm_eps)                           # [tokens, hidden]
+    return np.split(x, np.cumsum([len(ids) for ids, _ in batch])[:-1])        # per sequence [seq_i, hidden]
 
 
 def final_hidden(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cache: KVCache):
@@ -135,8 +147,9 @@ def final_hidden(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cach
 def forward_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
     """Per (ids, cache) of `batch`, the logits [len(ids), vocab]; the output head is read once."""
     hs = final_hidden_lockstep(weights, cfg, batch)
-    blocks = [[h @ block.T for h in hs] for block in row_blocks(weights.lm_head)]  # [block][sequence]
-    return [np.concatenate([row[i] for row in blocks], axis=-1) for i in range(len(hs))]  # per sequence [seq, vocab]
+    h = np.concatenate(hs)                                                                  # [tokens, hidden]
+    logits = np.concatenate([h @ block.T for block in row_blocks(weights.lm_head)], axis=-1)  # [tokens, vocab]
+    return np.split(logits, np.cumsum([len(x) for x in hs])[:-1])                           # per sequence [seq_i, vocab]
 
 
 def forward(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cache: KVCache):
@@ -195,10 +208,12 @@ class _Greedy:
 def generate_lockstep(model: Model, prompts: list, params: list[SamplingParams], dtype=np.float64,
                       top_k_logprobs: int = 5, keep_logits: bool = False, progress=None) -> list[GenerationResult]:
     """Greedy decoding of every prompt at once, one token each per pass over the weights (each its
-    own sequence: own KV cache, own attention, own products), stopping as the engine stops. Each
-    result equals generate() of that prompt alone, bit for bit (tests/test_streamed_reference.py);
-    what the prompts share is the reading (and, streamed, the widening) of the weights: a pass costs
-    one read of the model instead of one per prompt. `progress(n)`: called with the tokens a pass made."""
+    own sequence: own KV cache, own attention; the products stacked), stopping as the engine stops.
+    A pass reads (streamed: widens) the model once for all prompts instead of once per prompt, and
+    multiplies each weight by all their rows in one product. Each result equals generate() of that
+    prompt alone up to float64 rounding -- tokens identical, margins and logprobs within 1e-9
+    relative, as between two CPUs (tests/test_streamed_reference.py) -- and the same prompts in the
+    same order give the same bits every time. `progress(n)`: called with the tokens a pass made."""
     weights, cfg = model.reference_weights(dtype), model.config
     running = [_Greedy(model, p, sp, top_k_logprobs, keep_logits) for p, sp in zip(prompts, params)]
     done = list(running)

@@ -1,6 +1,7 @@
 """Sharded golden refresh: `golden refresh --shard I/N` on each of N machines, then `golden merge`,
 gives the bytes of one unsharded refresh; shards that are not the N of one refresh are refused with
-an error naming what differs."""
+an error naming what differs. Shards are made of whole lockstep groups (cases decoded together share
+products, so a case's last bits depend on its group)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +21,16 @@ PROMPTS = [
 ]
 
 
+GROUP = ["--lockstep-group", "2"]  # 5 prompts: groups story+fox, japan+count, sea
+
+
 @pytest.fixture(scope="module")
 def refreshed(tiny_model_dir, tmp_path_factory):
     """The prompt set refreshed whole and as 3 shards (and 2 shards), same model, same machine."""
     d = tmp_path_factory.mktemp("shards")
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS), encoding="utf-8")
-    model = ["--model", str(tiny_model_dir), "--prompts", str(prompts)]
+    model = ["--model", str(tiny_model_dir), "--prompts", str(prompts), *GROUP]
     assert main(["golden", "refresh", *model, "--out", str(d / "whole.jsonl")]) == 0
     for n in (2, 3):
         for i in range(1, n + 1):
@@ -44,7 +48,8 @@ def case_ids(path) -> list[str]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_merged_shards_are_byte_identical_to_the_unsharded_refresh(refreshed, n):
-    assert case_ids(refreshed / f"s1of{n}.jsonl") == [p["id"] for p in PROMPTS[0::n]]  # round robin
+    first = {2: ["story", "fox", "sea"], 3: ["story", "fox"]}[n]  # every n-th group of two from the first
+    assert case_ids(refreshed / f"s1of{n}.jsonl") == first
     out = refreshed / f"merged{n}.jsonl"
     assert main(["golden", "merge", *reversed(shards(refreshed, n)), "--out", str(out)]) == 0  # any order
     assert out.read_bytes() == (refreshed / "whole.jsonl").read_bytes()
@@ -75,7 +80,7 @@ def test_shards_of_another_model_or_prompt_set_are_refused(refreshed, tiny_model
     for model, prompts, name in ((make_tiny(tmp_path / "other", seed=1), refreshed / "prompts.jsonl", "model.jsonl"),
                                  (tiny_model_dir, edited, "set.jsonl")):
         assert main(["golden", "refresh", "--model", str(model), "--prompts", str(prompts), *calibration,
-                     "--shard", "3/3", "--out", str(tmp_path / name)]) == 0
+                     *GROUP, "--shard", "3/3", "--out", str(tmp_path / name)]) == 0
     capsys.readouterr()
     s, out = shards(refreshed, 3), ["--out", str(tmp_path / "x.jsonl")]
     assert "'model_fingerprint' differs" in refused([s[0], s[1], str(tmp_path / "model.jsonl"), *out], capsys)
@@ -87,3 +92,22 @@ def test_a_bad_shard_is_a_usage_error(refreshed, tiny_model_dir, shard, capsys):
     assert main(["golden", "refresh", "--model", str(tiny_model_dir), "--prompts", str(refreshed / "prompts.jsonl"),
                  "--shard", shard, "--out", str(refreshed / "bad.jsonl")]) == 2
     assert "--shard" in capsys.readouterr().err and not (refreshed / "bad.jsonl").exists()
+
+
+def test_shards_of_another_lockstep_group_are_refused(refreshed, tiny_model_dir, tmp_path, capsys):
+    """Groups of 1 decode every case alone: its bits differ from the same case decoded beside another."""
+    assert main(["golden", "refresh", "--model", str(tiny_model_dir), "--prompts", str(refreshed / "prompts.jsonl"),
+                 "--lockstep-group", "1", "--shard", "3/3", "--out", str(tmp_path / "alone.jsonl")]) == 0
+    capsys.readouterr()
+    s = shards(refreshed, 3)
+    assert "'lockstep_group' differs" in refused([s[0], s[1], str(tmp_path / "alone.jsonl"),
+                                                  "--out", str(tmp_path / "x.jsonl")], capsys)
+
+
+@pytest.mark.parametrize("args, flag", [(["--shard", "4/4"], "--shard"), (["--lockstep-group", "0"], "--lockstep-group")])
+def test_more_shards_than_lockstep_groups_or_an_empty_group_is_a_usage_error(refreshed, tiny_model_dir, args, flag,
+                                                                              capsys):
+    assert main(["golden", "refresh", "--model", str(tiny_model_dir), "--prompts", str(refreshed / "prompts.jsonl"),
+                 *GROUP, *args, "--out", str(refreshed / "bad.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and not (refreshed / "bad.jsonl").exists()

@@ -31,6 +31,11 @@ from .margin_rule import tolerance
 
 GOLDEN_FORMAT = 1
 TOP_K_LOGPROBS = 5
+# Cases decoded together in lockstep. Their rows share each product, and BLAS is not batch-invariant,
+# so a case's last bits depend on its group: groups are fixed runs of the prompt file, shards are made
+# of whole groups, and the header records the size, which is how sharded and whole refreshes give the
+# same bytes.
+LOCKSTEP_GROUP = 16
 PROMPT_KEYS = {"id", "prompt", "messages", "chat_template_kwargs", "max_tokens"}
 CASE_KEYS = ("prompt_ids", "max_tokens", "token_ids", "text", "finish_reason", "margins", "top_logprobs",
              "text_offsets")  # each case line: id, then prompt or messages, then these
@@ -161,14 +166,23 @@ def load_prompts(path: str | Path) -> list[PromptCase]:
     return cases
 
 
-def reference_cases(model: Model, cases: list[PromptCase], desc: str = "golden") -> list[GoldenCase]:
-    """The float64 reference's answers to `cases`, decoded in lockstep (reference.generate_lockstep:
-    one pass over the weights per token for all of them, each answer bit-identical to its case run
-    alone); progress in tokens."""
+def lockstep_groups(cases: list, size: int = LOCKSTEP_GROUP) -> list[list]:
+    if size < 1:
+        raise RefengineError(f"lockstep_group: expected at least 1, got {size}")
+    return [cases[start:start + size] for start in range(0, len(cases), size)]
+
+
+def reference_cases(model: Model, cases: list[PromptCase], desc: str = "golden",
+                    group: int = LOCKSTEP_GROUP) -> list[GoldenCase]:
+    """The float64 reference's answers to `cases`, each lockstep group of them decoded together
+    (reference.generate_lockstep: one pass over the weights per token for the group, each answer its
+    case's alone up to float64 rounding); progress in tokens."""
     prompt_ids = [case.encode(model) for case in cases]
     params = [SamplingParams(max_tokens=case.max_tokens) for case in cases]
+    groups, results = list(zip(lockstep_groups(prompt_ids, group), lockstep_groups(params, group))), []
     with tqdm(total=sum(case.max_tokens for case in cases), desc=desc, unit="tok") as bar:
-        results = generate_lockstep(model, prompt_ids, params, top_k_logprobs=TOP_K_LOGPROBS, progress=bar.update)
+        for ids, sp in groups:
+            results += generate_lockstep(model, ids, sp, top_k_logprobs=TOP_K_LOGPROBS, progress=bar.update)
         bar.update(bar.total - bar.n)  # answers that stopped before max_tokens
     return [golden_case(model, case, ids, result) for case, ids, result in zip(cases, prompt_ids, results)]
 
@@ -186,13 +200,14 @@ def golden_case(model: Model, case: PromptCase, prompt_ids: list[int], result) -
                       chat_template_kwargs=case.chat_template_kwargs)
 
 
-def golden_header(model: Model, prompts_path: Path, noise: dict) -> dict:
+def golden_header(model: Model, prompts_path: Path, noise: dict, group: int = LOCKSTEP_GROUP) -> dict:
     header = {"golden": GOLDEN_FORMAT, "model_fingerprint": model.fingerprint, "refengine": __version__,
               "precision": "f64", "noise": noise,
               "generation": {"decoding": "greedy", "temperature": 0, "top_logprobs": TOP_K_LOGPROBS,
                              "eos_token_ids": list(model.config.eos_token_ids)},
               "prompts": prompts_path.name, "architecture": model.config.arch,
-              "numerics": blas_identity()}  # the BLAS the float64 reference ran on (margins differ in the last bits)
+              "numerics": blas_identity(),  # the BLAS the float64 reference ran on (margins differ in the last bits)
+              "lockstep_group": group}
     recipe = model.path / "refengine_tiny.json"
     if recipe.exists():  # how `refengine make-tiny` built this model, so anyone can rebuild it
         header["tiny_model"] = json.loads(recipe.read_text(encoding="utf-8"))
@@ -221,23 +236,27 @@ def write_golden(path: Path, header: dict, cases: list[GoldenCase]) -> None:
         raise
 
 
-def shard_of(prompts: list[PromptCase], shard: tuple[int, int]) -> list[PromptCase]:
-    """Shard `index` of `count` (1-based): every count-th prompt from position index - 1."""
+def shard_of(prompts: list[PromptCase], shard: tuple[int, int], group: int = LOCKSTEP_GROUP) -> list[PromptCase]:
+    """Shard `index` of `count` (1-based): every count-th lockstep group from the index-th."""
     index, count = shard
     if not 1 <= index <= count:
         raise RefengineError(f"shard: expected I/N with 1 <= I <= N, got {index}/{count}")
-    return prompts[index - 1::count]
+    groups = lockstep_groups(prompts, group)
+    if count > len(groups):
+        raise RefengineError(f"shard: {count} shards of {len(prompts)} prompts in {len(groups)} lockstep group(s) "
+                             f"of {group}: at most {len(groups)} shards (smaller lockstep groups make more)")
+    return [case for g in groups[index - 1::count] for case in g]
 
 
 def refresh(model: Model, prompts_path: str | Path, prompts: list[PromptCase], out: str | Path,
-            noise: dict, shard: tuple[int, int] | None = None) -> Golden:
+            noise: dict, shard: tuple[int, int] | None = None, group: int = LOCKSTEP_GROUP) -> Golden:
     """Run the float64 reference on every prompt (loaded from `prompts_path`), or on one shard of them,
-    and atomically write the golden file; `noise` is the model's calibration (refengine.calibrate),
-    kept for the margin rule."""
+    `group` prompts in lockstep at a time, and atomically write the golden file; `noise` is the model's
+    calibration (refengine.calibrate), kept for the margin rule."""
     out, prompts_path = Path(out), Path(prompts_path)
-    todo = shard_of(prompts, shard) if shard else prompts
-    cases = reference_cases(model, todo, desc=f"golden {out.name}")
-    header = golden_header(model, prompts_path, noise)
+    todo = shard_of(prompts, shard, group) if shard else prompts
+    cases = reference_cases(model, todo, desc=f"golden {out.name}", group=group)
+    header = golden_header(model, prompts_path, noise, group)
     if shard:
         header["shard"] = {"index": shard[0], "count": shard[1], "prompts_sha256": _sha256(prompts_path),
                            "case_ids": [p.id for p in prompts]}

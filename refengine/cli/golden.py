@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..check.calibrate import calibrate, load_calibration, stored_calibration
-from ..check.golden import load_prompts, merge_shards, read_golden, refresh
+from ..check.golden import LOCKSTEP_GROUP, load_prompts, merge_shards, read_golden, refresh
 from ..check.golden_check import check
 from ..data import shipped
 from ..engine import MODES
@@ -19,7 +19,7 @@ def run_refresh(args) -> int:
         noise = load_calibration(args.calibration)
     else:
         noise = stored_calibration(model) or calibrate(model)
-    golden = refresh(model, args.prompts, prompts, args.out, noise, parse_shard(args.shard))
+    golden = refresh(model, args.prompts, prompts, args.out, noise, parse_shard(args.shard), args.lockstep_group)
     tokens = sum(len(c.token_ids) for c in golden.cases)
     print(f"wrote {args.out}: {len(golden.cases)} cases, {tokens} tokens, model {golden.fingerprint}, "
           f"tolerance {golden.tolerance:.6g}" + (f", shard {args.shard}" if args.shard else ""))
@@ -61,8 +61,11 @@ def register(subparsers) -> None:
     p.add_argument("--calibration", metavar="FILE",
                    help="noise calibration to put in the header (default: golden/*.calibration.json for this model, "
                         "else calibrate the model now)")
-    p.add_argument("--shard", metavar="I/N", help="refresh only shard I of N (every N-th prompt from the I-th); "
-                                                 "`golden merge` joins the N shard files")
+    p.add_argument("--shard", metavar="I/N", help="refresh only shard I of N (every N-th lockstep group from the "
+                                                 "I-th); `golden merge` joins the N shard files")
+    p.add_argument("--lockstep-group", type=int, default=LOCKSTEP_GROUP, metavar="N",
+                   help=f"prompts decoded together per pass over the weights (default {LOCKSTEP_GROUP}; recorded in "
+                        "the header: shards and whole refreshes of one size give the same bytes)")
     p.set_defaults(func=run_refresh)
 
     p = commands.add_parser("merge", help="join the shard files of a sharded refresh into one golden file")
