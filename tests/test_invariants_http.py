@@ -110,6 +110,6 @@ def test_with_few_waiting_slots_a_slot_leak_is_refused_requests(tiny_model, tmp_
     out within one run, and the golden property itself fails with refused requests (verdict error)."""
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     shrunk, failure = hunt(tiny_model, "slot-leak", answers_match_golden, "answers_match_golden_on_faulty_server",
-                           "queue_timeout|no batch slot", max_waiting=HTTP_MAX_WAITING, queue_timeout=0.5)
+                           "queue_timeout|no batch slot", max_waiting=HTTP_MAX_WAITING, queue_timeout=0.05)
     assert len(shrunk) == 1 and ": error (" in str(failure), failure
 

@@ -17,6 +17,8 @@ keeps only the constraints its failure needs, and requests that merely occupied 
 """
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 from ..engine.config import SCHEDULING_POLICIES
@@ -31,14 +33,16 @@ def roomiest_first(low: int, high: int) -> st.SearchStrategy[int]:
     return st.integers(low, high).map(lambda n: low + high - n)
 
 
+# (max_num_seqs, max_num_batched_tokens, block_size) under pressure and not; built once (prompts.py says why)
+PRESSURE = (roomiest_first(2, 8), st.one_of(st.just(64), roomiest_first(8, 32)), st.integers(1, 8))
+ROOMY = (roomiest_first(1, 8), st.one_of(st.just(64), roomiest_first(8, 32), roomiest_first(1, 16)),
+         st.one_of(st.integers(1, 8), st.integers(1, 4), st.sampled_from([16, 32])))
+
+
+@functools.cache
 @st.composite
 def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> dict:
-    if pressure:
-        seqs, budget, block = roomiest_first(2, 8), st.one_of(st.just(64), roomiest_first(8, 32)), st.integers(1, 8)
-    else:
-        seqs = roomiest_first(1, 8)
-        budget = st.one_of(st.just(64), roomiest_first(8, 32), roomiest_first(1, 16))
-        block = st.one_of(st.integers(1, 8), st.integers(1, 4), st.sampled_from([16, 32]))
+    seqs, budget, block = PRESSURE if pressure else ROOMY
     settings = {"mode": mode, "max_num_seqs": draw(seqs), "max_num_batched_tokens": draw(budget),
                 "block_size": draw(block), "max_model_len": MAX_MODEL_LEN}
     policy, seed = draw(scheduling_policies())
@@ -48,6 +52,7 @@ def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> di
     return settings
 
 
+@functools.cache
 def scheduling_policies() -> st.SearchStrategy[tuple[str, int]]:
     """(policy, seed): SCHEDULING_POLICIES, "fcfs" first, and a seed (used by "shuffled" only)."""
     return st.tuples(st.sampled_from(SCHEDULING_POLICIES), st.integers(0, MAX_SCHEDULING_SEED))

@@ -5,8 +5,12 @@ one past the step's token budget (so prefill must be chunked) — or anything up
 Ids cover the whole vocabulary (special tokens included: a prompt may contain eos). Each prompt is
 one draw of two bytes per token (generating and shrinking a list of ints one draw per token costs
 more than running the engine); bytes shrink to zero, so ids shrink towards 0.
+Strategies are built once per argument tuple (functools.cache): a strategy built afresh inside every
+draw is validated afresh by Hypothesis, which cost more than the draws themselves.
 """
 from __future__ import annotations
+
+import functools
 
 from hypothesis import strategies as st
 
@@ -18,16 +22,19 @@ def edge_lengths(block_size: int, token_budget: int) -> list[int]:
     return sorted({n for n in edges if 1 <= n <= MAX_PROMPT_LEN})
 
 
+@functools.cache
 def prompt_lengths(block_size: int, token_budget: int) -> st.SearchStrategy[int]:
     """The edges, then every length: one draw (a one_of here would stop the shrinker from deleting
     whole requests), biased towards the front of the list."""
     return st.sampled_from(edge_lengths(block_size, token_budget) + list(range(1, MAX_PROMPT_LEN + 1)))
 
 
+@functools.cache
 def token_ids(vocab_size: int, length: int) -> st.SearchStrategy[list[int]]:
     return st.binary(min_size=2 * length, max_size=2 * length).map(
         lambda raw: [int.from_bytes(raw[i:i + 2], "little") % vocab_size for i in range(0, len(raw), 2)])
 
 
+@functools.cache
 def prompts(vocab_size: int, block_size: int, token_budget: int) -> st.SearchStrategy[list[int]]:
     return prompt_lengths(block_size, token_budget).flatmap(lambda n: token_ids(vocab_size, n))

@@ -24,6 +24,8 @@ still fail.
 """
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 from .engine_settings import engine_settings
@@ -35,28 +37,44 @@ MAX_TOKENS = 8
 MAX_ARRIVAL = 12
 ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
 LOGPROB_COUNTS = (0, 1, 2, 5, 20)  # alternatives per step; 20 is the server's most (OpenAI's limit)
+LOGPROBS = st.sampled_from(LOGPROB_COUNTS)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def leaves(burst: bool, may_abort: bool) -> list[dict]:
+@functools.cache
+def leaves(burst: bool, may_abort: bool) -> st.SearchStrategy[dict]:
     """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS)."""
     by_length = [{"max_tokens": n} for n in range(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS + 1)]
     by_abort = [{"max_tokens": MAX_TOKENS, "abort_delay": d} for d in ABORT_DELAYS] if may_abort else []
-    return by_length + by_abort
+    return st.sampled_from(by_length + by_abort)
 
 
+@functools.cache  # one strategy per argument tuple (prompts.py says why)
 @st.composite
 def requests(draw, vocab_size: int, block_size: int, token_budget: int, burst: bool = False,
              may_abort: bool = True) -> dict:
     request = {"prompt_ids": draw(prompts(vocab_size, block_size, token_budget)),
                "arrival_step": draw(st.integers(0, 1 if burst else MAX_ARRIVAL))}
-    leave = dict(draw(st.sampled_from(leaves(burst, may_abort))))
+    leave = dict(draw(leaves(burst, may_abort)))
     if "abort_delay" in leave:
         request["abort_step"] = request["arrival_step"] + leave.pop("abort_delay")
     return {**request, **leave}
+
+
+@functools.cache
+def request_lists(vocab_size: int, block_size: int, token_budget: int, burst: bool, may_abort: bool,
+                  max_requests: int) -> st.SearchStrategy[list[dict]]:
+    request = requests(vocab_size, block_size, token_budget, burst, may_abort)
+    return st.lists(request, min_size=min(2, max_requests) if burst else 1, max_size=max_requests)
+
+
+@functools.cache
+def picks(values: st.SearchStrategy, max_size: int) -> st.SearchStrategy[list[tuple[int, object]]]:
+    """(request, value) pairs; the request counted modulo how many there are."""
+    return st.lists(st.tuples(st.integers(0, max_size - 1), values), max_size=max_size)
 
 
 def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
@@ -77,15 +95,12 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
         allow_seeded = mode == "invariant"
     burst = draw(st.sampled_from([True, False]))
     engine = draw(engine_settings(mode, pressure=burst))
-    request = requests(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
-                       allow_abort and not burst)
-    reqs = draw(st.lists(request, min_size=min(2, max_requests) if burst else 1, max_size=max_requests))
+    reqs = draw(request_lists(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
+                              allow_abort and not burst, max_requests))
     if allow_seeded:
-        pick = st.integers(0, max_requests - 1)  # a request, counted modulo how many there are
-        for n, params in draw(st.lists(st.tuples(pick, seeded), max_size=max_requests)):
+        for n, params in draw(picks(seeded, max_requests)):
             reqs[n % len(reqs)]["sampling"] = params
-    pick = st.integers(0, max_requests - 1)
-    for n, count in draw(st.lists(st.tuples(pick, st.sampled_from(LOGPROB_COUNTS)), max_size=max_requests)):
+    for n, count in draw(picks(LOGPROBS, max_requests)):
         reqs[n % len(reqs)]["logprobs"] = count
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}
