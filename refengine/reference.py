@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import Model, ModelConfig
+from .model.routing import top_k
 from .model.weights import LayerWeights, StreamedWeights, Weights, row_blocks
 from .sampling import (
     SamplingParams,
@@ -116,10 +117,34 @@ def mlp_block(x, w: LayerWeights):  # x [tokens, hidden]
     return linear(gate * up, w.down_proj, w.down_bias)  # [tokens, hidden]
 
 
+def softmax(x):  # x [..., n]
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def moe_block(x, w: LayerWeights, cfg: ModelConfig):  # x [tokens, hidden]
+    """Qwen3-MoE: each token goes to the num_experts_per_tok experts its router rates highest (ties as
+    torch.topk breaks them: model.routing), their SwiGLU outputs weighted by the router probabilities
+    (renormalized over the chosen ones with norm_topk_prob) and summed."""
+    probs = softmax(linear(x, w.router))                                     # [tokens, experts]
+    chosen = top_k(probs, cfg.num_experts_per_tok)                           # [tokens, k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)                     # [tokens, k]
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(x)                                                   # [tokens, hidden]
+    for e in np.unique(chosen):
+        token, rank = np.nonzero(chosen == e)                                # the tokens that chose expert e
+        gate = silu(linear(x[token], w.expert_gate[e]))                      # [n, moe_intermediate]
+        up = linear(x[token], w.expert_up[e])                                # [n, moe_intermediate]
+        out[token] += weights[token, rank, None] * linear(gate * up, w.expert_down[e])  # [n, hidden]
+    return out
+
+
 def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions):
     """x [tokens, hidden]: the rows of every sequence of `caches` in turn (attention_block)."""
     x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, caches, positions)
-    return x + mlp_block(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w)  # [tokens, hidden]
+    h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)                                      # [tokens, hidden]
+    return x + (moe_block(h, w, cfg) if layer in cfg.sparse_layers else mlp_block(h, w))  # [tokens, hidden]
 
 
 def final_hidden_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):

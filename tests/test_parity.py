@@ -82,7 +82,7 @@ def save_folder(hf_model, folder, storage: str):
     dtype, layout = storage.split("-")
     to_save = copy.deepcopy(hf_model).to(TORCH_DTYPES[dtype]) if dtype in TORCH_DTYPES else hf_model
     to_save.save_pretrained(folder, max_shard_size="12KB" if layout == "sharded" else "1GB")
-    write_tokenizer(folder, hf_model.config.vocab_size)
+    write_tokenizer(folder, hf_model.config.get_text_config().vocab_size)  # a VL config nests it
     shards = sorted(folder.glob("*.safetensors"))
     assert stored_dtypes(shards) == {STORED[dtype]}
     if layout == "sharded":

@@ -29,6 +29,9 @@ def run_info(args) -> int:
         "stored dtype": ",".join(model.checkpoint.stored_dtypes), "eos ids": list(cfg.eos_token_ids),
         "fingerprint": model.fingerprint,
     }
+    if cfg.num_experts:
+        rows["experts"] = (f"{cfg.num_experts}, {cfg.num_experts_per_tok} per token, width {cfg.moe_intermediate_size}; "
+                           f"sparse layers {list(cfg.sparse_layers)}")
     blas = blas_info.blas_identity()
     rows.update({
         "blas": f"{blas['internal_api']} {blas['version']} ({blas['name']})", "blas kernel": blas["architecture"],
@@ -86,10 +89,18 @@ def run_margins(args) -> int:
     return 0
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
 def run_make_tiny(args) -> int:
     base = PRESETS[args.preset]
     overrides = {field: getattr(args, field) for field in
-                 ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "tie")
+                 ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "tie",
+                  "experts", "experts_per_tok", "moe_intermediate", "mlp_only_layers")
                  if getattr(args, field) is not None}
     spec = TinySpec(**{**base.__dict__, **overrides})
     for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate"):
@@ -137,8 +148,10 @@ def register(subparsers) -> None:
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", choices=ARCHITECTURES)
-    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
+    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab",
+                 "experts", "experts-per-tok", "moe-intermediate"):
         p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--mlp-only-layers", type=_int_tuple, help="qwen3_moe: comma-separated dense layers")
     p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None)

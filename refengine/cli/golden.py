@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 from ..check.calibrate import calibrate, load_calibration, stored_calibration
-from ..check.golden import LOCKSTEP_GROUP, load_prompts, merge_shards, read_golden, refresh
+from ..check.golden import (
+    LOCKSTEP_GROUP,
+    load_prompts,
+    merge_shards,
+    read_golden,
+    refresh,
+)
 from ..check.golden_check import check
 from ..data import shipped
 from ..engine import MODES

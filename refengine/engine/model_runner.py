@@ -26,6 +26,7 @@ from .kernels import (
     rope_tables,
     silu,
 )
+from .moe import MoeWeights, moe_mlp, moe_weights
 from .scheduler import ScheduledChunk
 
 
@@ -43,7 +44,8 @@ def _owned(array):
 @dataclass(frozen=True)
 class RunnerLayer:
     """One decoder layer with q/k/v and gate/up fused, so each is one product per step. Projection
-    weights are [out, in] (column-major when batching in fast mode: kernels.fast_layout)."""
+    weights are [out, in] (column-major when batching in fast mode: kernels.fast_layout). A
+    mixture-of-experts layer has `moe` instead of the dense MLP."""
     input_norm: np.ndarray
     qkv: np.ndarray                # [q_size + 2 * kv_size, hidden]
     qkv_bias: np.ndarray | None
@@ -52,10 +54,11 @@ class RunnerLayer:
     o_proj: np.ndarray             # [hidden, q_size]
     o_bias: np.ndarray | None
     post_norm: np.ndarray
-    gate_up: np.ndarray            # [2 * intermediate, hidden]
+    gate_up: np.ndarray | None     # [2 * intermediate, hidden]
     gate_up_bias: np.ndarray | None
-    down: np.ndarray               # [hidden, intermediate]
+    down: np.ndarray | None        # [hidden, intermediate]
     down_bias: np.ndarray | None
+    moe: MoeWeights | None = None
 
 
 class ModelRunner:
@@ -72,9 +75,10 @@ class ModelRunner:
             input_norm=w.input_norm, qkv=project(_concat(w.q_proj, w.k_proj, w.v_proj)),
             qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
             q_norm=w.q_norm, k_norm=w.k_norm, o_proj=project(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
-            gate_up=project(_concat(w.gate_proj, w.up_proj)),
+            gate_up=None if w.router is not None else project(_concat(w.gate_proj, w.up_proj)),
             gate_up_bias=_concat(w.gate_bias, w.up_bias),
-            down=project(w.down_proj), down_bias=w.down_bias) for w in weights.layers]
+            down=None if w.router is not None else project(w.down_proj), down_bias=w.down_bias,
+            moe=None if w.router is None else moe_weights(w, cfg, project)) for w in weights.layers]
         self.embed, self.norm = _owned(weights.embed), weights.norm
         self.lm_head = self.embed if weights.lm_head is weights.embed and project is _owned else project(weights.lm_head)
         self.attend = attention(self.invariant, config.injected)  # kernels.attention: the fault's code point
@@ -133,6 +137,9 @@ class ModelRunner:
                 context = self.kv_cache[layer, blocks].reshape(-1, 2, cfg.num_kv_heads, cfg.head_dim)[:end]
                 attended[lo:hi] = self.attend(q[lo:hi], context[:, 0], context[:, 1], past, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
+            if w.moe is not None:
+                x = x + moe_mlp(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.moe, self.linear)
+                continue
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
             half = cfg.intermediate_size
             x = x + self._project(silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)

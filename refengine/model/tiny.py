@@ -19,8 +19,10 @@ from .safetensors_io import save_file
 from .weights import INDEX_FILE, SINGLE_FILE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+MOE_FIELDS = ("experts", "experts_per_tok", "moe_intermediate", "mlp_only_layers")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -42,6 +44,19 @@ class TinySpec:
     tie: bool = True
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # qwen3_moe only: experts per sparse layer, chosen per token, their width, and the dense layers
+    experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def recipe(self) -> dict:
+        """The spec as refengine_tiny.json records it; a dense model's leaves the MoE fields out, so its
+        recipe (and the golden headers and cache names made from it) predates them byte for byte."""
+        spec = asdict(self)
+        if self.arch != "qwen3_moe":
+            spec = {k: v for k, v in spec.items() if k not in MOE_FIELDS}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
 
 
 # Residual branches large enough to move the stream away from the input embedding (otherwise
@@ -95,6 +110,10 @@ def hf_config(spec: TinySpec, special_ids: dict[str, int]) -> dict:
     }
     if spec.arch == "qwen2":
         config["use_sliding_window"] = False
+    if spec.arch == "qwen3_moe":  # the field names of the Hub's Qwen3-30B-A3B config.json
+        config |= {"num_experts": spec.experts, "num_experts_per_tok": spec.experts_per_tok,
+                   "moe_intermediate_size": spec.moe_intermediate, "norm_topk_prob": True,
+                   "decoder_sparse_step": 1, "mlp_only_layers": list(spec.mlp_only_layers)}
     return config
 
 
@@ -110,6 +129,11 @@ def random_weights(spec: TinySpec, seed: int) -> dict[str, np.ndarray]:
     def norm_weight(size):
         return (1.0 + rng.standard_normal(size) * 0.1).astype(np.float32)
 
+    def swiglu(prefix, width):
+        return {prefix + "gate_proj.weight": normal((width, h), 1.0 / np.sqrt(h)),
+                prefix + "up_proj.weight": normal((width, h), 1.0 / np.sqrt(h)),
+                prefix + "down_proj.weight": normal((h, width), RESIDUAL_SCALE / np.sqrt(width))}
+
     tensors = {"model.embed_tokens.weight": normal((spec.vocab, h), 1.0), "model.norm.weight": norm_weight(h)}
     for n in range(spec.layers):
         p = f"model.layers.{n}."
@@ -120,11 +144,15 @@ def random_weights(spec: TinySpec, seed: int) -> dict[str, np.ndarray]:
             p + "self_attn.k_proj.weight": normal((kv, h), 1.5 / np.sqrt(h)),
             p + "self_attn.v_proj.weight": normal((kv, h), 1.0 / np.sqrt(h)),
             p + "self_attn.o_proj.weight": normal((h, q), RESIDUAL_SCALE / np.sqrt(q)),
-            p + "mlp.gate_proj.weight": normal((i, h), 1.0 / np.sqrt(h)),
-            p + "mlp.up_proj.weight": normal((i, h), 1.0 / np.sqrt(h)),
-            p + "mlp.down_proj.weight": normal((h, i), RESIDUAL_SCALE / np.sqrt(i)),
         }
-        if spec.arch == "qwen3":
+        if spec.arch == "qwen3_moe" and n not in spec.mlp_only_layers:
+            # router logits of spread ~2, so tokens split between experts with clear preferences
+            tensors[p + "mlp.gate.weight"] = normal((spec.experts, h), 2.0 / np.sqrt(h))
+            for e in range(spec.experts):
+                tensors |= swiglu(f"{p}mlp.experts.{e}.", spec.moe_intermediate)
+        else:
+            tensors |= swiglu(p + "mlp.", i)
+        if spec.arch in ("qwen3", "qwen3_moe"):
             tensors[p + "self_attn.q_norm.weight"] = norm_weight(d)
             tensors[p + "self_attn.k_norm.weight"] = norm_weight(d)
         if spec.arch == "qwen2":
@@ -167,6 +195,13 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, d
         raise RefengineError(f"vocab: {spec.vocab} is too small for a byte-level tokenizer (at least 259)")
     if spec.heads % spec.kv_heads:
         raise RefengineError(f"heads: {spec.heads} is not a multiple of kv_heads {spec.kv_heads}")
+    if spec.arch == "qwen3_moe" and not (spec.experts >= 2 and 1 <= spec.experts_per_tok <= spec.experts
+                                         and spec.moe_intermediate >= 1):
+        raise RefengineError(f"experts: qwen3_moe needs experts >= 2, 1 <= experts_per_tok <= experts and "
+                             f"moe_intermediate >= 1 (got {spec.experts}, {spec.experts_per_tok}, "
+                             f"{spec.moe_intermediate})")
+    if spec.arch == "qwen3_moe" and not set(spec.mlp_only_layers) <= set(range(spec.layers)):
+        raise RefengineError(f"mlp_only_layers: {list(spec.mlp_only_layers)} are not all layers of 0..{spec.layers - 1}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(min(spec.vocab, 4096))
@@ -185,6 +220,6 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, d
         "tokenizer_class": "PreTrainedTokenizerFast",
     })
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "refengine_tiny.json", {"seed": seed, "dtype": dtype, "shards": shards, **asdict(spec)})
+    _write_json(out / "refengine_tiny.json", {"seed": seed, "dtype": dtype, "shards": shards, **spec.recipe()})
     write_weights(out, random_weights(spec, seed), dtype, shards)
     return out

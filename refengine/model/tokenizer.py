@@ -52,6 +52,20 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")  # OpenAI's and transformers' names for an image part
+
+
+def _refuse_images(n: int, message) -> None:
+    """A vision-language checkpoint (Qwen3-VL) loads, but only its language model runs: an image would be
+    silently dropped by a text template, so it is refused by name."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise RefengineError(f"messages[{n}].content[{k}]: {part['type']} parts are not supported "
+                                     f"(refengine is a text-only reference)")
+
+
 def template_environment() -> ImmutableSandboxedEnvironment:
     """The Jinja environment transformers renders chat templates in (utils/chat_template_utils.py)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -139,6 +153,7 @@ class Tokenizer:
         if not isinstance(messages, list) or not messages:
             raise RefengineError("messages: expected a non-empty list of {role, content} objects")
         for n, m in enumerate(messages):
+            _refuse_images(n, m)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RefengineError(f"messages[{n}]: expected an object with string 'role' and 'content'")
         reserved = [key for key in RESERVED_TEMPLATE_ARGS if key in extra]

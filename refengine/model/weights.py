@@ -1,4 +1,5 @@
-"""Load a checkpoint's tensors (single file or sharded), validate them against the config."""
+"""Load a checkpoint's tensors (single file or sharded), validate them against the config
+(a sparse layer's experts: model/experts.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import numpy as np
 
 from ..errors import RefengineError
 from .config import ModelConfig
+from .experts import expert_shapes, read_experts, transposed_shapes
 from .safetensors_io import SafetensorsFile
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -25,9 +27,13 @@ class LayerWeights:
     v_proj: np.ndarray           # [n_kv_heads * head_dim, hidden]
     o_proj: np.ndarray           # [hidden, n_heads * head_dim]
     post_norm: np.ndarray        # [hidden]
-    gate_proj: np.ndarray        # [intermediate, hidden]
-    up_proj: np.ndarray          # [intermediate, hidden]
-    down_proj: np.ndarray        # [hidden, intermediate]
+    gate_proj: np.ndarray | None = None  # [intermediate, hidden]; None in a mixture-of-experts layer
+    up_proj: np.ndarray | None = None    # [intermediate, hidden]
+    down_proj: np.ndarray | None = None  # [hidden, intermediate]
+    router: np.ndarray | None = None       # [experts, hidden]: mixture-of-experts layers only
+    expert_gate: np.ndarray | None = None  # [experts, moe_intermediate, hidden]
+    expert_up: np.ndarray | None = None    # [experts, moe_intermediate, hidden]
+    expert_down: np.ndarray | None = None  # [experts, hidden, moe_intermediate]
     q_bias: np.ndarray | None = None
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
@@ -56,11 +62,13 @@ _LAYER_FIELDS = {  # LayerWeights field -> HF tensor name suffix
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
     "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
     "gate_bias": "mlp.gate_proj.bias", "up_bias": "mlp.up_proj.bias", "down_bias": "mlp.down_proj.bias",
+    "router": "mlp.gate.weight",
 }
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the config implies, with its shape."""
+def _layer_shapes(cfg: ModelConfig, n: int) -> dict[str, tuple[int, ...]]:
+    """LayerWeights field -> shape of the tensors layer n has besides its experts."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.q_size, cfg.kv_size
     layer = {
@@ -76,10 +84,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer.update(q_norm=(d,), k_norm=(d,))
     if cfg.mlp_bias:
         layer.update(gate_bias=(i,), up_bias=(i,), down_bias=(h,))
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if n in cfg.sparse_layers:
+        layer = {field: shape for field, shape in layer.items() if field not in _DENSE_MLP}
+        layer["router"] = (cfg.num_experts, h)
+    return layer
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies, with its shape."""
+    h, p = cfg.hidden_size, cfg.weight_prefix
+    shapes = {f"{p}embed_tokens.weight": (cfg.vocab_size, h), f"{p}norm.weight": (h,)}
     for n in range(cfg.num_layers):
-        for field, shape in layer.items():
-            shapes[f"model.layers.{n}.{_LAYER_FIELDS[field]}"] = shape
+        for field, shape in _layer_shapes(cfg, n).items():
+            shapes[f"{p}layers.{n}.{_LAYER_FIELDS[field]}"] = shape
+        if n in cfg.sparse_layers:
+            shapes |= expert_shapes(cfg, n)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -116,10 +135,13 @@ class Checkpoint:
         expected = expected_shapes(self.cfg)
         found = {name: f.tensors[name][1] for name, f in self.sources.items()}
         problems = [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
+        ignored = self.cfg.ignored_prefix  # a VL checkpoint's vision tower: present, never read
         problems += [f"unexpected tensor {n} {list(found[n])}" for n in found if n not in expected
-                     and not n.endswith("rotary_emb.inv_freq")]
+                     and not n.endswith("rotary_emb.inv_freq") and not (ignored and n.startswith(ignored))]
+        also = {name: shape for n in self.cfg.sparse_layers for name, shape in transposed_shapes(self.cfg, n).items()}
         problems += [f"tensor {n} has shape {list(found[n])}, expected {list(s)}"
-                     for n, s in expected.items() if n in found and tuple(found[n]) != s]
+                     + (f" or {list(also[n])}" if also.get(n, s) != s else "")
+                     for n, s in expected.items() if n in found and tuple(found[n]) not in (s, also.get(n))]
         if problems:
             where = self.files[0].parent
             raise RefengineError(f"{where}: weights do not match config.json: " + "; ".join(problems))
@@ -132,21 +154,29 @@ class Checkpoint:
         return np.ascontiguousarray(self.sources[name].get_float(name, dtype, rows))
 
     def layer(self, n: int, dtype) -> LayerWeights:
-        expected = expected_shapes(self.cfg)
-        return LayerWeights(**{field: self.tensor(f"model.layers.{n}.{suffix}", dtype)
-                               for field, suffix in _LAYER_FIELDS.items() if f"model.layers.{n}.{suffix}" in expected})
+        cfg = self.cfg
+        fields = {field: self.tensor(f"{cfg.weight_prefix}layers.{n}.{_LAYER_FIELDS[field]}", dtype)
+                  for field in _layer_shapes(cfg, n)}
+        if n in cfg.sparse_layers:
+            fields |= read_experts(self, n, dtype)
+        return LayerWeights(**fields)
+
+    @property
+    def embed_name(self) -> str:
+        return f"{self.cfg.weight_prefix}embed_tokens.weight"
 
     @property
     def head_name(self) -> str:
-        return "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        return self.embed_name if self.cfg.tie_word_embeddings else "lm_head.weight"
 
     def to_weights(self, dtype) -> Weights:
         # Each tensor is read on its own and its file mapping released at once, so the peak is the
         # converted weights plus one tensor in flight: read the largest (the embedding) first.
-        embed = self.tensor("model.embed_tokens.weight", dtype)
+        embed = self.tensor(self.embed_name, dtype)
         lm_head = embed if self.cfg.tie_word_embeddings else self.tensor("lm_head.weight", dtype)
         layers = [self.layer(n, dtype) for n in range(self.cfg.num_layers)]
-        return Weights(embed=embed, layers=layers, norm=self.tensor("model.norm.weight", dtype), lm_head=lm_head)
+        norm = self.tensor(f"{self.cfg.weight_prefix}norm.weight", dtype)
+        return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
 class _Rows:
@@ -199,5 +229,6 @@ class StreamedWeights:
 
     @classmethod
     def of(cls, checkpoint: Checkpoint, dtype) -> StreamedWeights:
-        return cls(_Rows(checkpoint, "model.embed_tokens.weight", dtype), _Layers(checkpoint, dtype),
-                   checkpoint.tensor("model.norm.weight", dtype), _Rows(checkpoint, checkpoint.head_name, dtype))
+        norm = checkpoint.tensor(f"{checkpoint.cfg.weight_prefix}norm.weight", dtype)
+        return cls(_Rows(checkpoint, checkpoint.embed_name, dtype), _Layers(checkpoint, dtype), norm,
+                   _Rows(checkpoint, checkpoint.head_name, dtype))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from hypothesis import strategies as st
@@ -29,6 +28,9 @@ TINY_CONFIGS = {
     "qwen2-gqa2-untied": TinySpec(arch="qwen2", tie=False),
     "llama-gqa4-tied": TinySpec(arch="llama", heads=8, kv_heads=2, head_dim=8),
     "llama-mha-untied": TinySpec(arch="llama", layers=1, heads=2, kv_heads=2, head_dim=32, tie=False),
+    # 4 experts, 2 per token, renormalized; layer 1 of 3 a dense MLP among the sparse ones
+    "qwen3moe-e4k2": TinySpec(arch="qwen3_moe", layers=3, tie=False, experts=4, experts_per_tok=2,
+                              moe_intermediate=32, mlp_only_layers=(1,)),
 }
 
 
@@ -37,15 +39,15 @@ def tiny_model_dir(name: str) -> Path:
     spec = TINY_CONFIGS[name]
     if spec == TinySpec():
         return default_model_dir()
-    digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(json.dumps(spec.recipe(), sort_keys=True).encode()).hexdigest()[:10]
     return cached_tiny_model(f"tiny-{name}-{digest}", spec)
 
 
 def make_tiny_command(name: str) -> str:
     """The command that writes configuration `name` (the same bytes, so the same fingerprint)."""
     spec, default = TINY_CONFIGS[name], TinySpec()
-    flags = [f"--{field.replace('_', '-')} {value}" for field, value in asdict(spec).items()
-             if field != "tie" and value != getattr(default, field)]
+    flags = [f"--{field.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+             for field, value in spec.recipe().items() if field != "tie" and value != default.recipe().get(field)]
     if spec.tie != default.tie:
         flags.append("--tie" if spec.tie else "--no-tie")
     return " ".join(["refengine make-tiny DIR", *flags])
@@ -57,5 +59,5 @@ def tiny_model(name: str = DEFAULT_MODEL) -> Model:
 
 
 def tiny_model_names() -> st.SearchStrategy[str]:
-    """qwen3 / qwen2 / llama; GQA 2:1 and 4:1, MQA, MHA; tied and untied heads."""
+    """qwen3 / qwen2 / llama / qwen3_moe; GQA 2:1 and 4:1, MQA, MHA; tied and untied heads."""
     return st.sampled_from(list(TINY_CONFIGS))
