@@ -35,6 +35,17 @@ from refengine.suite.test_state_machine import SchedulerKVMachine
 pytestmark = pytest.mark.invariants
 MAX_SHRUNK_REQUESTS = 3
 
+
+class SmallEnough(BaseException):
+    """Carries the first failing example that is already as small as a hunt asserts, out of Hypothesis
+    (a BaseException is not a test failure to it, so it neither shrinks nor replays it). Shrinking from
+    there only makes the example smaller and costs most of a hunt: the shrinker reaching an example this
+    small within the budget is what the hunt shows."""
+
+    def __init__(self, example, failure: PropertyFailure | None = None):
+        super().__init__()
+        self.example, self.failure = example, failure
+
 PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property with a fault switched on)
     "invariant-mode-is-exact": (
         st.tuples(tiny_model_names(), invariant_schedules),
@@ -102,10 +113,14 @@ def test_dev_profile_finds_and_shrinks(fault, tmp_path, monkeypatch, capsys):
         try:
             run(example, fault)
         except PropertyFailure:
+            if len(example[1]["requests"]) <= MAX_SHRUNK_REQUESTS:
+                raise SmallEnough(example) from None
             return True
         return False
 
-    shrunk = find(strategy, fails, settings=dev_profile())
+    with pytest.raises(SmallEnough) as found:
+        find(strategy, fails, settings=dev_profile())
+    shrunk = found.value.example
     with pytest.raises(PropertyFailure) as failure:
         run(shrunk, fault)
     assert_small_and_replayable(failure.value, fault, monkeypatch, capsys)

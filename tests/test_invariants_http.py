@@ -8,8 +8,10 @@ the suite's few waiting slots, by the golden property itself (leaked slots becom
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from test_invariants_faults import MAX_SHRUNK_REQUESTS, SmallEnough
 
 from refengine.check.golden import read_golden
 from refengine.cli import main
@@ -34,7 +36,8 @@ FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one K
 def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     shrunk, failure = hunt(tiny_model, FAULT, answers_match_golden, "answers_match_golden_on_faulty_server",
-                           "diverged at generated token")
+                           "diverged at generated token",
+                           small_enough=lambda s: len(s) == 1 and not s[0].stream and s[0].arrival == 0)
     assert len(shrunk) == 1 and not shrunk[0].stream and shrunk[0].arrival == 0, shrunk
     repro = json.loads(failure.repro.read_text())
     assert [(r["case"], r["streamed"], r["verdict"]) for r in repro["requests"]] == \
@@ -54,22 +57,21 @@ def test_a_faulty_server_fails_the_golden_property_and_shrinks(tiny_model, tmp_p
 
 
 # --- server-side leaks: the serve layer's faults ---------------------------------------------------
-MAX_SHRUNK_REQUESTS = 3  # as tests/test_invariants_faults.py
-
-
-def hunt(tiny_model, fault: str, check, name: str, match: str, **server_settings):
+def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lambda schedule: True,
+         **server_settings):
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
-    derandomized, no database): (the shrunk schedule, its PropertyFailure)."""
+    derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
+    `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
+    PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault),
                           host="127.0.0.1", **server_settings)
     faulty.start()
-    failing = []
-
     def on_faulty_server(server, schedule):
         try:
             check(server, schedule)
-        except PropertyFailure:
-            failing.append(schedule)  # Hypothesis replays the shrunk example last
+        except PropertyFailure as failure:
+            if len(schedule) <= MAX_SHRUNK_REQUESTS and small_enough(schedule):
+                raise SmallEnough(schedule, failure) from None
             raise
 
     on_faulty_server.__name__ = name
@@ -77,21 +79,25 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, **server_settings
         found = http_property(on_faulty_server,
                               connect(faulty.url, read_golden(shipped("golden", "tiny-default.jsonl"))),
                               derandomize=True, database=None, report_multiple_bugs=False)
-        with pytest.raises(PropertyFailure, match=match) as failure:
+        with pytest.raises(SmallEnough) as small:
             found()
     finally:
         faulty.close()
-    shrunk = failing[-1]
-    assert len(shrunk) <= MAX_SHRUNK_REQUESTS, shrunk
-    assert len(json.loads(failure.value.repro.read_text())["requests"]) == len(shrunk)
-    return shrunk, failure.value
+    shrunk, failure = small.value.example, small.value.failure
+    assert re.search(match, str(failure)), failure
+    assert len(json.loads(failure.repro.read_text())["requests"]) == len(shrunk)
+    return shrunk, failure
+
+
+def one_hang_up(schedule) -> bool:
+    return len(schedule) == 1 and schedule[0].stream and schedule[0].cancel_after is not None
 
 
 def test_a_hang_up_that_is_not_aborted_is_found_and_shrinks(tiny_model, tmp_path, monkeypatch):
     """hang-up-without-abort: the request runs on to its natural end; no abort is counted."""
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     shrunk, failure = hunt(tiny_model, "hang-up-without-abort", hang_ups_are_aborts,
-                           "hang_ups_are_aborts_on_faulty_server", "hung up after")
+                           "hang_ups_are_aborts_on_faulty_server", "hung up after", small_enough=one_hang_up)
     assert len(shrunk) == 1 and shrunk[0].stream and shrunk[0].cancel_after is not None, shrunk
     assert "counted 0 aborts" in str(failure), failure
 
@@ -101,7 +107,7 @@ def test_a_leaked_admission_slot_is_found_and_shrinks(tiny_model, tmp_path, monk
     (Slots enough for the whole hunt: every example is judged against its own start.)"""
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     shrunk, _ = hunt(tiny_model, "slot-leak", server_drains, "server_drains_on_faulty_server",
-                     "admission slots taken", max_waiting=5000)
+                     "admission slots taken", small_enough=one_hang_up, max_waiting=5000)
     assert len(shrunk) == 1 and shrunk[0].stream and shrunk[0].cancel_after is not None, shrunk
 
 
@@ -110,6 +116,7 @@ def test_with_few_waiting_slots_a_slot_leak_is_refused_requests(tiny_model, tmp_
     out within one run, and the golden property itself fails with refused requests (verdict error)."""
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     shrunk, failure = hunt(tiny_model, "slot-leak", answers_match_golden, "answers_match_golden_on_faulty_server",
-                           "queue_timeout|no batch slot", max_waiting=HTTP_MAX_WAITING, queue_timeout=0.05)
+                           "queue_timeout|no batch slot", small_enough=lambda s: len(s) == 1,
+                           max_waiting=HTTP_MAX_WAITING, queue_timeout=0.05)
     assert len(shrunk) == 1 and ": error (" in str(failure), failure
 
