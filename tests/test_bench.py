@@ -9,9 +9,20 @@ import sys
 import pytest
 
 from refengine.bench.kestrel import SHORT_TOKENS
+from refengine.bench.reference import (
+    SEED_PROMPTS,
+    reference_report,
+    refresh_cases,
+    run_reference,
+)
+from refengine.bench.roofline import Machine, streamed_parameters
+from refengine.check.golden import LOCKSTEP_GROUP, load_prompts
 from refengine.cli import main
+from refengine.data import shipped
+from refengine.model import loader
+from refengine.strategies.models import tiny_model
 
-REQUESTS, PROMPT_LEN, MAX_TOKENS, SERIAL_REQUESTS = 4, 8, 5, 2
+REQUESTS, PROMPT_LEN, MAX_TOKENS, SERIAL_REQUESTS, EXAMPLES = 4, 8, 5, 2, 2
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +30,8 @@ def report(tmp_path_factory):
     """One bench of every scenario (as a user runs it), shared by the tests below."""
     plot = tmp_path_factory.mktemp("bench") / "sweep.png"
     args = ["bench", "--requests", REQUESTS, "--prompt-len", PROMPT_LEN, "--max-tokens", MAX_TOKENS,
-            "--serial-requests", SERIAL_REQUESTS, "--batch-sizes", "1,2", "--scenario", "decode,kestrel,reference",
-            "--plot", plot, "--json"]
+            "--serial-requests", SERIAL_REQUESTS, "--batch-sizes", "1,2",
+            "--scenario", "decode,kestrel,reference,suite", "--examples", EXAMPLES, "--plot", plot, "--json"]
     done = subprocess.run([sys.executable, "-m", "refengine", *map(str, args)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
@@ -74,12 +85,85 @@ def test_kestrel_runs_short_and_long_answers_serial_and_batched(report):
         assert workload["predicted_s"]["serial"] > workload["predicted_s"]["batched"] > 0
 
 
-def test_reference_figure_is_its_time_against_float64_bytes(report):
+def _check_refresh_runs(reference: dict, cases) -> None:
+    """Each run decoded every case (up to its cut max_tokens), passes are what serial and lockstep
+    decoding take, and every rate and ratio is the one the run's own figures give."""
+    assert reference["cases"] == len(cases)
+    assert reference["case_max_tokens"] == {case.id: case.max_tokens for case in cases}
+    groups = [cases[i:i + reference["lockstep_group"]] for i in range(0, len(cases), reference["lockstep_group"])]
+    for name in ("serial", "lockstep"):
+        run = reference[name]
+        assert set(run["case_tokens"]) == {case.id for case in cases}
+        assert all(1 <= run["case_tokens"][case.id] <= case.max_tokens for case in cases)
+        assert run["tokens"] == sum(run["case_tokens"].values())
+        assert run["tok_s"] == pytest.approx(run["tokens"] / run["seconds"])
+        assert run["s_per_pass"] == pytest.approx(run["seconds"] / run["passes"])
+        assert run["roofline_s"] == pytest.approx(run["passes"] * reference["roofline_s_per_pass"])
+        assert run["roofline_fraction"] == pytest.approx(run["roofline_s"] / run["seconds"])
+        assert 0 < run["prefill_s"] and run["prefill_s"] + run["decode_s"] <= run["seconds"]
+        assert run["decode_roofline_fraction"] == pytest.approx(
+            run["decode_passes"] * reference["roofline_s_per_pass"] / run["decode_s"])
+    assert reference["same_tokens"] and reference["serial"]["case_tokens"] == reference["lockstep"]["case_tokens"]
+    serial, lockstep = reference["serial"], reference["lockstep"]
+    assert serial["passes"] == serial["tokens"]  # alone, every token is a pass over the weights
+    assert serial["decode_passes"] == serial["passes"] - len(cases)  # the first pass of each is its prefill
+    assert lockstep["decode_passes"] == lockstep["passes"] - len(groups)
+    assert lockstep["passes"] == sum(max(lockstep["case_tokens"][c.id] for c in group) for group in groups)
+    assert reference["lockstep_vs_serial"] == pytest.approx(serial["seconds"] / lockstep["seconds"])
+    assert reference["bytes_per_pass"] == reference["weight_bytes_f64"] + reference["stored_bytes_per_pass"]
+    assert reference["roofline_s_per_pass"] == pytest.approx(reference["bytes_per_pass"] / reference["bandwidth"])
+
+
+def test_reference_refresh_decodes_the_seed_set_serial_and_in_lockstep(report):
     data = report[0]
     reference = data["reference"]
-    assert reference["weight_bytes"] == 2 * data["weight_bytes_f32"]  # float64: twice the float32 bytes
-    assert reference["roofline_fraction"] == pytest.approx(reference["roofline_s_per_token"]
-                                                           / reference["decode_s_per_token"])
+    cases = refresh_cases(None, MAX_TOKENS)[1]
+    assert reference["prompts"] == str(shipped(*SEED_PROMPTS)) and reference["max_tokens_cap"] == MAX_TOKENS
+    shipped_cases = load_prompts(shipped(*SEED_PROMPTS))
+    assert [c.max_tokens for c in cases] == [min(c.max_tokens, MAX_TOKENS) for c in shipped_cases]
+    assert reference["lockstep_group"] == LOCKSTEP_GROUP
+    _check_refresh_runs(reference, cases)
+    assert not reference["streamed"] and reference["stored_bytes_per_pass"] == 0  # in memory: widened once
+    assert reference["weight_bytes_f64"] == 2 * data["weight_bytes_f32"]  # float64: twice the float32 bytes
+    assert reference["bandwidth"] == data["machine"]["bandwidth"]
+
+
+@pytest.mark.parametrize("model_name", ["qwen3-gqa2-tied", "qwen2-gqa2-untied"])
+def test_a_streamed_refresh_also_reads_the_stored_weights(model_name, tmp_path, monkeypatch):
+    """Streamed (every model streams above 0 bytes), a pass reads the checkpoint besides the float64
+    weights: the tied head's embedding once, an untied model's embedding not at all (a few rows)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Once upon a time", "max_tokens": 3}\n'
+                       '{"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}\n'
+                       '{"id": "c", "prompt": "The sea", "max_tokens": 2}\n')
+    monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", 0)
+    model = tiny_model(model_name)
+    path, cases = refresh_cases(prompts, 4)
+    machine = Machine(bandwidth_1thread=1e10, bandwidth_all=2e10, threads=2, sgemm_flops=1e11, load_average=0.0)
+    reference = reference_report(run_reference(model.path, path, cases, 4, group=2), machine)
+    assert reference["streamed"] and reference["stored_dtypes"] == ["F32"]
+    assert reference["stored_bytes_per_pass"] == streamed_parameters(model.config) * 4
+    assert reference["case_max_tokens"] == {"a": 3, "b": 4, "c": 2} and reference["bandwidth"] == 2e10
+    _check_refresh_runs(reference, cases)
+
+
+def test_suite_counts_every_engine_property_on_the_default_model(report):
+    suite = report[0]["suite"]
+    rows = {row["property"]: row for row in suite["properties"]}
+    assert suite["model"] == "qwen3-gqa2-tied" and suite["max_examples"] == EXAMPLES
+    assert {"test_batching.py::test_invariant_mode_is_exact",
+            "test_consistency.py::test_any_chunk_size_gives_the_same_outputs",
+            "test_reference.py::test_engine_agrees_with_the_float64_reference",
+            "test_state_machine.py::SchedulerKVMachine"} <= set(rows)
+    assert not any(name.startswith("test_http.py") for name in rows)  # they need a server
+    for name, row in rows.items():
+        # a @given property runs exactly its examples; a state machine run that stopped early counts too
+        assert row["examples"] == EXAMPLES if name.split("::")[1].startswith("test_") else row["examples"] >= EXAMPLES
+        assert row["schedules_per_s"] == pytest.approx(row["examples"] / row["seconds"])
+    total = suite["total"]
+    assert total["examples"] == sum(row["examples"] for row in rows.values())
+    assert total["seconds"] == pytest.approx(sum(row["seconds"] for row in rows.values()))
+    assert total["schedules_per_s"] == pytest.approx(total["examples"] / total["seconds"])
 
 
 def test_plot_is_a_png(report):
@@ -107,6 +191,8 @@ def test_hf_runs_the_same_workload_beside_the_engine(tmp_path):
     (["--scenario", "decode,warp"], "--scenario"),
     (["--requests", "0"], "--requests"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--examples", "0"], "--examples"),
+    (["--scenario", "reference", "--prompts", "/nonexistent/prompts.jsonl"], "--prompts"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, named, capsys):
     assert main(["bench", *args]) == 2

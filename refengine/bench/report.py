@@ -1,6 +1,7 @@
 """`refengine bench`: what it runs and the report it prints -- decode throughput of the batching
-engine vs serial in both kernel modes against the roofline, the Kestrel scenario, the float64
-reference's refresh rate, and optionally HF transformers on the same workload."""
+engine vs serial in both kernel modes against the roofline, the Kestrel scenario, the cost of a
+golden refresh (bench.reference), the invariants suite's throughput (bench.suite), and optionally HF
+transformers on the same workload."""
 from __future__ import annotations
 
 import os
@@ -14,10 +15,13 @@ from ..errors import RefengineError
 from ..model import Model
 from .interleaved import batch1_vs_bandwidth, interleaved_ratio
 from .kestrel import kestrel_report, run_kestrel
+from .reference import print_reference, reference_report, refresh_cases, run_reference
 from .roofline import Roofline, measure_machine
-from .workloads import batch_sweep, random_requests, reference_refresh, reference_report
+from .suite import print_suite, run_suite
+from .workloads import batch_sweep, random_requests
 
-SCENARIOS = ("decode", "kestrel", "reference")
+SCENARIOS = ("decode", "kestrel", "reference", "suite")
+DEFAULT_MAX_TOKENS = 128
 GOALS = {"fast": 5.0, "invariant": 3.0}  # batched decode throughput / serial, at the largest batch
 BATCH1_GOAL = 1.4                        # batch-1 decode step / (weight bytes / bandwidth)
 
@@ -26,13 +30,17 @@ BATCH1_GOAL = 1.4                        # batch-1 decode step / (weight bytes /
 class BenchSettings:
     requests: int = 32             # concurrent requests of the batched run
     prompt_len: int = 64
-    max_tokens: int = 128          # new tokens per request (eos ignored)
+    # New tokens per decode and Kestrel request (eos ignored; default DEFAULT_MAX_TOKENS); for the
+    # reference scenario, a cap on each case's max_tokens (default: the prompt file's).
+    max_tokens: int | None = None
     serial_requests: int = 2       # requests run one by one at batch 1
     modes: tuple[str, ...] = MODES
     batch_sizes: tuple[int, ...] = ()  # swept besides 1 and `requests`
     scenarios: tuple[str, ...] = ("decode",)
     hf: bool = False
     plot: str | None = None        # a PNG of step time and tok/s vs batch size
+    prompts: str | None = None     # the reference scenario's prompt file (default: the shipped seed set)
+    examples: int | None = None    # the suite scenario's examples per property (default: the dev profile's)
 
     def __post_init__(self):
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -41,11 +49,16 @@ class BenchSettings:
         bad_modes = [m for m in self.modes if m not in MODES]
         if bad_modes or not self.modes:
             raise RefengineError(f"mode: expected {', '.join(MODES)}, got {list(self.modes)}")
-        for name in ("requests", "prompt_len", "max_tokens", "serial_requests"):
-            if getattr(self, name) < 1:
+        for name in ("requests", "prompt_len", "max_tokens", "serial_requests", "examples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if any(b < 1 for b in self.batch_sizes):
             raise RefengineError(f"batch_sizes: batch sizes must be positive, got {list(self.batch_sizes)}")
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens per decode and Kestrel request."""
+        return self.max_tokens or DEFAULT_MAX_TOKENS
 
     @property
     def sweep(self) -> list[int]:
@@ -57,9 +70,9 @@ def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | No
     """The batch sweep, the goal batch interleaved with serial per mode, batch 1 interleaved with
     bandwidth reads, and with --hf the same workload through HF transformers."""
     modes = list(args.modes)
-    sweep = batch_sweep(model, modes, args.sweep, args.prompt_len, args.max_tokens, args.serial_requests)
-    workload = random_requests(model, args.requests, args.prompt_len, args.max_tokens)
-    serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.max_tokens)
+    sweep = batch_sweep(model, modes, args.sweep, args.prompt_len, args.new_tokens, args.serial_requests)
+    workload = random_requests(model, args.requests, args.prompt_len, args.new_tokens)
+    serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.new_tokens)
     interleaved = {mode: interleaved_ratio(model, mode, workload, serial_workload) for mode in modes}
     batch1 = batch1_vs_bandwidth(model, serial_workload)
     if not args.hf:
@@ -67,7 +80,7 @@ def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | No
     from .hf import hf_decode
     return sweep, interleaved, batch1, {"batched": hf_decode(model.path, workload),
                                 "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len,
-                                                                                args.max_tokens))}
+                                                                                args.new_tokens))}
 
 
 def _decode(model, args: BenchSettings, sweep, interleaved, batch1, hf, machine, roofline) -> dict:
@@ -100,7 +113,7 @@ def _decode(model, args: BenchSettings, sweep, interleaved, batch1, hf, machine,
         from .plot import plot_sweep
         context = float(np.mean([s.mean_decode_context for runs in sweep.values() for s in runs.values()]))
         title = (f"{model.path.name}: {roofline.parameters / 1e6:.0f}M params, prompt {args.prompt_len}, "
-                 f"{args.max_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
+                 f"{args.new_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
                  f"sgemm {machine.sgemm_flops / 1e9:.0f} GFLOP/s")
         result["plot"] = str(plot_sweep(args.plot, result["sweep"], roofline, context, title))
     return result
@@ -162,22 +175,26 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
         if not hf_available():
             raise RefengineError("hf: needs torch and transformers (pip install 'refengine[parity]')")
     modes = list(args.modes)
+    refresh = refresh_cases(args.prompts, args.max_tokens) if "reference" in args.scenarios else None
     before = measure_machine()
     decode = _run_decode(model, args) if "decode" in args.scenarios else None
-    kestrel = run_kestrel(model, modes, args.max_tokens) if "kestrel" in args.scenarios else None
-    reference = reference_refresh(model.path) if "reference" in args.scenarios else None
+    kestrel = run_kestrel(model, modes, args.new_tokens) if "kestrel" in args.scenarios else None
+    reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
+    suite = run_suite(args.examples) if "suite" in args.scenarios else None
     machine = before.best(measure_machine())
     roofline = Roofline.of(model.config, machine)
     report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
               "machine": machine.to_json() | {"cpu": platform.processor() or platform.machine()},
               "numpy": np.__version__, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
-                                                    "max_tokens": args.max_tokens}}
+                                                    "max_tokens": args.new_tokens}}
     if decode is not None:
         report["decode"] = _decode(model, args, *decode, machine, roofline)
     if kestrel is not None:
         report["kestrel"] = kestrel_report(kestrel, roofline)
     if reference is not None:
-        report["reference"] = reference_report(reference, model.config, machine)
+        report["reference"] = reference_report(reference, machine)
+    if suite is not None:
+        report["suite"] = suite
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -195,7 +212,6 @@ def print_report(report: dict) -> None:
     if "kestrel" in report:
         _print_kestrel(report["kestrel"])
     if "reference" in report:
-        ref = report["reference"]
-        print(f"float64 reference decode: {ref['decode_s_per_token'] * 1e3:.0f} ms/token vs roofline "
-              f"{ref['roofline_s_per_token'] * 1e3:.0f} ms (f64 weights {ref['weight_bytes'] / 1e9:.2f} GB): "
-              f"{100 * ref['roofline_fraction']:.0f}% of roofline")
+        print_reference(report["reference"])
+    if "suite" in report:
+        print_suite(report["suite"])

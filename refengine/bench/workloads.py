@@ -16,12 +16,11 @@ from tqdm import tqdm
 
 from ..engine import EngineConfig, LLMEngine
 from ..errors import RefengineError
-from ..model import Model, ModelConfig
-from ..model.cache import cache_dir, cached_tiny_model
-from ..model.tiny import PRESETS
-from ..reference import generate
+from ..model import Model
+from ..model.cache import cache_dir, cached_model
+from ..model.tiny import PRESETS, make_tiny
 from ..sampling import SamplingParams
-from .roofline import Machine, Roofline, foreign_cpu_seconds
+from .roofline import foreign_cpu_seconds
 
 PERCENTILES = (50, 90, 99)
 # A step is "contended" when other processes used more than this share of a core during it. On a
@@ -29,6 +28,10 @@ PERCENTILES = (50, 90, 99)
 # step can take 5-10x longer; decode figures come from the quiet steps when there are enough of them.
 CONTENDED_SHARE = 0.25
 MIN_QUIET_STEPS = 5
+# How a preset is stored when it is not float32 in one file: the 1.7B shape is what the streamed
+# reference is measured on, as `make-tiny --preset qwen3-1.7b-shape --dtype bf16 --shards 2` writes it
+# (3.2 GiB instead of 6.4 GiB in float32; its float64 copy is 12.8 GiB either way).
+PRESET_STORAGE = {"qwen3-1.7b-shape": {"dtype": "BF16", "shards": 2}}
 
 
 def preset_model_dir(name: str) -> Path:
@@ -37,7 +40,7 @@ def preset_model_dir(name: str) -> Path:
         raise RefengineError(f"preset: unknown preset {name!r} (choose {', '.join(PRESETS)})")
     if not (cache_dir() / "models" / name / "config.json").exists():
         print(f"generating {name} into {cache_dir() / 'models'} (once)", file=sys.stderr)
-    return cached_tiny_model(name, PRESETS[name])
+    return cached_model(name, lambda folder: make_tiny(folder, PRESETS[name], **PRESET_STORAGE.get(name, {})))
 
 
 @dataclass(frozen=True)
@@ -157,28 +160,3 @@ def batch_sweep(model: Model, modes: list[str], batch_sizes: list[int], prompt_l
             requests = random_requests(model, count, prompt_len, max_tokens)
             results[mode][batch] = run_requests(model, requests, mode, batch, label=f"{mode} B={batch}")
     return results
-
-
-def reference_refresh(model_dir, prompt_len: int = 16, new_tokens: int = 8) -> dict:
-    """Float64 reference decode speed (what a golden refresh spends its time on).
-
-    Times generate() for 1 and for 1 + new_tokens tokens; the difference is decode alone."""
-    model = Model(model_dir)  # its own float64 weights, released when this returns
-    prompt = random_requests(model, 1, prompt_len, 1, seed=1)[0].prompt_ids
-    model.weights(np.float64)
-    timings = {}
-    for count in (1, 1 + new_tokens):
-        started = time.perf_counter()
-        generate(model, prompt, SamplingParams(max_tokens=count, ignore_eos=True))
-        timings[count] = time.perf_counter() - started
-    per_token = (timings[1 + new_tokens] - timings[1]) / new_tokens
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_s_per_token": per_token,
-            "prefill_s": timings[1]}
-
-
-def reference_report(timing: dict, cfg: ModelConfig, machine: Machine) -> dict:
-    """reference_refresh's timing against the float64 weights' bandwidth roofline."""
-    roofline = Roofline.of(cfg, machine, bytes_per_param=8)
-    bound = roofline.memory_seconds(1, timing["prompt_len"] + timing["new_tokens"] / 2)
-    return timing | {"weight_bytes": roofline.weight_bytes, "roofline_s_per_token": bound,
-                     "roofline_fraction": bound / timing["decode_s_per_token"]}

@@ -1,7 +1,14 @@
-"""bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline."""
+"""bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline;
+the cost of a golden refresh; the invariants suite's throughput."""
 from __future__ import annotations
 
-from ..bench.report import SCENARIOS, BenchSettings, print_report, run_bench
+from ..bench.report import (
+    DEFAULT_MAX_TOKENS,
+    SCENARIOS,
+    BenchSettings,
+    print_report,
+    run_bench,
+)
 from ..bench.workloads import preset_model_dir
 from ..engine import MODES
 from ..model import load_model
@@ -15,7 +22,8 @@ def run(args) -> int:
         requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
         serial_requests=args.serial_requests, modes=tuple(MODES) if args.mode == "both" else (args.mode,),
         batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
-        scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot)
+        scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot,
+        prompts=args.prompts, examples=args.examples)
     model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
     report = run_bench(model, settings)
     if args.json:
@@ -32,11 +40,17 @@ def register(subparsers) -> None:
     source.add_argument("--preset", choices=sorted(PRESETS), help="a generated random-weight model, cached")
     parser.add_argument("--requests", type=int, default=32, help="concurrent requests of the batched run")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (eos ignored)")
+    parser.add_argument("--max-tokens", type=int, help=f"new tokens per request (eos ignored; default "
+                        f"{DEFAULT_MAX_TOKENS}); reference scenario: cut each case's max_tokens to this "
+                        f"(default: the prompt file's)")
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
     parser.add_argument("--batch-sizes", metavar="LIST", help="also sweep these batch sizes, e.g. 1,8,32")
     parser.add_argument("--serial-requests", type=int, default=2, help="requests run one by one at batch 1")
     parser.add_argument("--scenario", default="decode", help=f"comma list of {', '.join(SCENARIOS)}")
+    parser.add_argument("--prompts", metavar="FILE", help="reference scenario: the prompts JSONL a golden refresh "
+                        "would decode (default: the shipped seed set, golden/prompts/seed-experiment.jsonl)")
+    parser.add_argument("--examples", type=int, help="suite scenario: examples per property (default: the dev "
+                        "profile's); the suite always runs on the default tiny model")
     parser.add_argument("--hf", action="store_true", help="also run the decode workload through HF transformers")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of step time and tok/s vs batch size")
     parser.add_argument("--json", action="store_true", help="print everything as JSON")
