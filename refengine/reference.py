@@ -169,17 +169,20 @@ def final_hidden(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cach
     return final_hidden_lockstep(weights, cfg, [(ids, cache)])[0]
 
 
-def forward_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
-    """Per (ids, cache) of `batch`, the logits [len(ids), vocab]; the output head is read once."""
-    hs = final_hidden_lockstep(weights, cfg, batch)
-    h = np.concatenate(hs)                                                                  # [tokens, hidden]
-    logits = np.concatenate([h @ block.T for block in row_blocks(weights.lm_head)], axis=-1)  # [tokens, vocab]
-    return np.split(logits, np.cumsum([len(x) for x in hs])[:-1])                           # per sequence [seq_i, vocab]
+def output_head(weights: Weights | StreamedWeights, h):  # h [rows, hidden] -> logits [rows, vocab]
+    return np.concatenate([h @ block.T for block in row_blocks(weights.lm_head)], axis=-1)
+
+
+def next_logits_lockstep(weights: Weights | StreamedWeights, cfg: ModelConfig, batch):
+    """Per (ids, cache) of `batch`, the logits [vocab] after its last id (what greedy decoding takes);
+    extends each cache. Only those rows meet the output head, which is read once for all of them."""
+    last = np.stack([h[-1] for h in final_hidden_lockstep(weights, cfg, batch)])  # [sequences, hidden]
+    return output_head(weights, last)                                             # [sequences, vocab]
 
 
 def forward(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cache: KVCache):
     """Logits [len(ids), vocab] for `ids` following the cache's positions; extends the cache."""
-    return forward_lockstep(weights, cfg, [(ids, cache)])[0]
+    return output_head(weights, final_hidden(weights, cfg, ids, cache))
 
 
 def prompt_logits(model: Model, ids, dtype=np.float64):
@@ -243,9 +246,9 @@ def generate_lockstep(model: Model, prompts: list, params: list[SamplingParams],
     running = [_Greedy(model, p, sp, top_k_logprobs, keep_logits) for p, sp in zip(prompts, params)]
     done = list(running)
     while running:
-        logits = forward_lockstep(weights, cfg, [(g.next_ids, g.cache) for g in running])
-        for g, rows in zip(running, logits):
-            g.take(rows[-1])
+        logits = next_logits_lockstep(weights, cfg, [(g.next_ids, g.cache) for g in running])
+        for g, row in zip(running, logits):
+            g.take(row)
         if progress:
             progress(len(running))
         running = [g for g in running if g.result is None]
