@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import sys
 
 import pytest
-from test_validate import get_json, wait_until
+from test_validate import serving
 
 from refengine.cli import main
 from refengine.strategies.models import tiny_model_dir
@@ -25,25 +23,7 @@ PROMPTS = [  # chat and raw text, short answers: a refresh of a few seconds
 
 @pytest.fixture
 def serve_moe():
-    processes = []
-
-    def start(*args):
-        process = subprocess.Popen(
-            [sys.executable, "-m", "refengine", "serve", "--model", str(tiny_model_dir(MOE)), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        processes.append(process)
-        line = process.stdout.readline()
-        assert line.startswith("serving http://127.0.0.1:"), line + process.stderr.read()
-        url = line.split()[1]
-        wait_until(lambda: get_json(url, "/health")[0] == 200, "/health")
-        return url
-
-    yield start
-    for process in processes:
-        process.terminate()
-        process.wait(60)
-        process.stdout.close()
-        process.stderr.close()
+    yield from serving(tiny_model_dir(MOE))
 
 
 @pytest.mark.parametrize("mode", ["invariant", "fast"])

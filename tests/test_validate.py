@@ -145,12 +145,17 @@ def get_json(url: str, path: str):
 @pytest.fixture
 def serve(tiny_model_dir):
     """Start `refengine serve` on a free 127.0.0.1 port; yields its URL once /health answers."""
+    yield from serving(tiny_model_dir)
+
+
+def serving(model_dir):
+    """The body of a `serve` fixture for the model in `model_dir`: start(*args, fault=None) -> URL."""
     processes = []
 
     def start(*args, fault=None):
         env = {**os.environ, "REFENGINE_FAULT": fault} if fault else None
         process = subprocess.Popen(
-            [sys.executable, "-m", "refengine", "serve", "--model", str(tiny_model_dir), "--port", "0", *args],
+            [sys.executable, "-m", "refengine", "serve", "--model", str(model_dir), "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         processes.append(process)
         line = process.stdout.readline()
