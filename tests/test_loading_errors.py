@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file as st_load_file
@@ -308,6 +307,7 @@ def test_bf16_write_rounds_like_torch_and_reads_back_widened_exactly(tmp_path):
     assert torch.equal(read_by_library.view(torch.int16), expected.view(torch.int16))
 
     as_stored = SafetensorsFile(tmp_path / "ours.safetensors").get("x")
+    import ml_dtypes  # here, not at collection: it takes a second to import
     assert as_stored.dtype == ml_dtypes.bfloat16 and as_stored.shape == x.shape
     ours = SafetensorsFile(tmp_path / "ours.safetensors").get_float("x")
     assert ours.dtype == np.float32

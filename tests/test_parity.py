@@ -33,30 +33,38 @@ PROMPT_LEN = 12
 
 COMMON = dict(num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 VARIANTS = {
-    "qwen3-untied-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+    "qwen3-untied-gqa": ("Qwen3", dict(
         vocab_size=96, hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, tie_word_embeddings=False, rope_theta=1000.0)),
-    "qwen3-tied-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+    "qwen3-tied-gqa": ("Qwen3", dict(
         vocab_size=80, hidden_size=32, intermediate_size=64, num_attention_heads=6, num_key_value_heads=2,
         head_dim=8, tie_word_embeddings=True, rope_theta=300.0)),
-    "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+    "qwen2-bias": ("Qwen2", dict(
         vocab_size=72, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=False, rope_theta=500.0)),
-    "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+    "llama-gqa": ("Llama", dict(
         vocab_size=64, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
         tie_word_embeddings=False, rope_theta=2000.0)),
-    "llama-all-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+    "llama-all-bias": ("Llama", dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4,
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=10000.0)),
 }
+def hf_classes(family: str):
+    """(config class, model class) of a family, looked up when a test needs them: the lookup imports
+    transformers' modeling code, seconds that every pytest process would otherwise spend collecting
+    this module, whatever -m selects."""
+    return getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
+
+
 STORAGES = ["f32-single", "f32-sharded", "bf16-single", "bf16-sharded", "f16-sharded"]
 STORED = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16"}
 
 
 def build_hf_model(variant: str, seed: int = 0):
     """A transformers model with weights large enough that every norm weight and bias matters."""
-    config_cls, model_cls, kwargs = VARIANTS[variant]
+    family, kwargs = VARIANTS[variant]
+    config_cls, model_cls = hf_classes(family)
     kwargs = dict(kwargs)
     theta = kwargs.pop("rope_theta")
     config = config_cls(**COMMON, **kwargs, rope_parameters={"rope_type": "default", "rope_theta": theta})
@@ -80,7 +88,7 @@ def write_tokenizer(folder, vocab_size: int) -> None:
 
 def save_folder(hf_model, folder, storage: str):
     dtype, layout = storage.split("-")
-    to_save = copy.deepcopy(hf_model).to(TORCH_DTYPES[dtype]) if dtype in TORCH_DTYPES else hf_model
+    to_save = copy.deepcopy(hf_model).to(getattr(torch, TORCH_DTYPES[dtype])) if dtype in TORCH_DTYPES else hf_model
     to_save.save_pretrained(folder, max_shard_size="12KB" if layout == "sharded" else "1GB")
     write_tokenizer(folder, hf_model.config.get_text_config().vocab_size)  # a VL config nests it
     shards = sorted(folder.glob("*.safetensors"))
@@ -117,7 +125,7 @@ def _rotary_f64(self, x, position_ids):
 
 def hf_float64(folder, variant: str):
     """transformers' own load of the saved files, widened exactly to float64, made float64 throughout."""
-    _, model_cls, _ = VARIANTS[variant]
+    _, model_cls = hf_classes(VARIANTS[variant][0])
     model = model_cls.from_pretrained(folder, dtype="auto", attn_implementation="sdpa").to(torch.float64).eval()
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):

@@ -16,6 +16,7 @@ assertion is on exit statuses and report JSON fields, never on a message's text.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -30,10 +31,11 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-for _module in ("fastapi", "uvicorn", "openai"):  # transformers' `serving` extra
-    pytest.importorskip(_module, reason=f"transformers serve needs {_module}: pip install 'transformers[serving]'")
+# Found, not imported: importing them takes seconds that every pytest process would spend collecting
+# this module, however -m deselects it (build_model imports torch and transformers when it runs).
+for _module in ("torch", "transformers", "fastapi", "uvicorn", "openai"):  # transformers' `serving` extra
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(f"transformers serve needs {_module}: pip install 'transformers[serving]'", allow_module_level=True)
 
 import refengine
 
@@ -66,6 +68,9 @@ PROMPTS = [
 def build_model(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A tiny Qwen3 built and saved by transformers: config.json, model.safetensors (float32),
     generation_config.json, plus the tiny model's tokenizer.json and tokenizer_config.json."""
+    import torch
+    import transformers
+
     config = transformers.Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,

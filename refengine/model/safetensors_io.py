@@ -2,9 +2,10 @@
 
 Reading goes through `safetensors.safe_open(path, framework="np")`, one tensor at a time and one
 open per tensor, so a file's mapping never stays resident beyond the tensor being copied out.
-ml_dtypes is imported here because it registers `bfloat16` with numpy: with it, safetensors
-(>= 0.4.1) returns BF16 tensors as `ml_dtypes.bfloat16` arrays, which `.astype(np.float32)` widens
-exactly (bf16 is the top half of a float32). The library's own exceptions are translated into
+ml_dtypes is imported before a BF16 tensor is read, because it registers `bfloat16` with numpy:
+with it, safetensors (>= 0.4.1) returns BF16 tensors as `ml_dtypes.bfloat16` arrays, which
+`.astype(np.float32)` widens exactly (bf16 is the top half of a float32). Only then: importing it
+takes about a second, which every refengine process (each CLI call, each test worker) would pay. The library's own exceptions are translated into
 RefengineError naming the file (and the tensor, where the library or we know it).
 """
 from __future__ import annotations
@@ -14,7 +15,6 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safe_open(framework="np") needs)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -105,8 +105,13 @@ class SafetensorsFile:
         with handle as f:
             yield f
 
+    def _readable(self, name: str) -> None:
+        if self.tensors[name][0] == "BF16":
+            import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safe_open(framework="np") needs)
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as stored (BF16 as ml_dtypes.bfloat16), copied out of the file."""
+        self._readable(name)
         with self._open(name) as f:
             try:
                 return f.get_tensor(name)
@@ -118,6 +123,7 @@ class SafetensorsFile:
         if rows is None:
             array = self.get(name)
         else:
+            self._readable(name)
             with self._open(name) as f:
                 try:
                     array = f.get_slice(name)[rows]
