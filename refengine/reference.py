@@ -10,6 +10,8 @@ batching -- is what refengine.check.calibrate holds against the float64 one to b
 A model whose float64 copy would be large is streamed (Model.reference_weights: each layer widened
 when the forward reaches it and dropped after), so the oracle of an 8B model needs about one layer
 of float64 memory plus its KV cache, at the price of widening the weights again on every pass.
+A golden refresh decodes its cases in lockstep groups (generate_lockstep): each still its own
+sequence and cache, their rows stacked into each product, so a pass reads the model once per group.
 """
 from __future__ import annotations
 
