@@ -60,6 +60,11 @@ def linear(x, weight, bias=None):  # x [seq, in], weight [out, in] -> [seq, out]
     return y if bias is None else y + bias
 
 
+def softmax(x):  # x [..., n]
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 def causal_attention(q, k, v, q_positions):
     """q [seq, n_heads, hd]; k, v [total, n_kv_heads, hd] hold every key up to the last query."""
     n_heads, n_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
@@ -70,9 +75,7 @@ def causal_attention(q, k, v, q_positions):
     key_positions = np.arange(k.shape[0])
     future = key_positions[None, :] > np.asarray(q_positions)[:, None]   # [seq, total]
     scores = np.where(future[None], -np.inf, scores)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights = weights / weights.sum(axis=-1, keepdims=True)              # [n_heads, seq, total]
-    return np.einsum("hst,thd->shd", weights, v)                         # [seq, n_heads, hd]
+    return np.einsum("hst,thd->shd", softmax(scores), v)                 # [seq, n_heads, hd]
 
 
 @dataclass
@@ -117,11 +120,6 @@ def mlp_block(x, w: LayerWeights):  # x [tokens, hidden]
     gate = silu(linear(x, w.gate_proj, w.gate_bias))  # [tokens, intermediate]
     up = linear(x, w.up_proj, w.up_bias)              # [tokens, intermediate]
     return linear(gate * up, w.down_proj, w.down_bias)  # [tokens, hidden]
-
-
-def softmax(x):  # x [..., n]
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 def moe_block(x, w: LayerWeights, cfg: ModelConfig):  # x [tokens, hidden]

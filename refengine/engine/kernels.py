@@ -87,7 +87,7 @@ def linear_invariant(x, weight):
     return np.ascontiguousarray(out.transpose(0, 2, 1).reshape(tiles * TILE_ROWS, weight.shape[0])[:rows])
 
 
-def _softmax_rows(scores):  # in place: a decode step calls this per sequence and layer, allocation shows
+def softmax_rows(scores):  # in place: a decode step calls this per sequence and layer, allocation shows
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -104,7 +104,7 @@ def _softmax_rows_exp2_without_log2e(scores):
     return scores
 
 
-def attend_fast(q, k, v, start, scale, softmax=_softmax_rows):
+def attend_fast(q, k, v, start, scale, softmax=softmax_rows):
     """q [n, H, D] at positions start..start+n-1; k, v [start+n, KVH, D]. -> [n, H*D]
 
     All queries of the chunk in one batched product per kv head, future keys masked."""
@@ -121,7 +121,7 @@ def attend_fast(q, k, v, start, scale, softmax=_softmax_rows):
     return out.transpose(2, 0, 1, 3).reshape(n, num_heads * head_dim)
 
 
-def attend_invariant(q, k, v, start, scale, softmax=_softmax_rows):
+def attend_invariant(q, k, v, start, scale, softmax=softmax_rows):
     """Like attend_fast, but each query token attends over exactly keys 0..its position, computed as
     the decode of that token alone would compute it: no masked or padded reductions."""
     n, num_heads, head_dim = q.shape

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.routing import top_k
-from .kernels import silu
+from .kernels import silu, softmax_rows
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,10 @@ def moe_weights(w, cfg, project) -> MoeWeights:
                       top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
 
 
-def _softmax_rows(x):  # x [tokens, experts], C order so each row reduces alone
-    x = np.exp(x - x.max(axis=-1, keepdims=True))
-    return x / x.sum(axis=-1, keepdims=True)
-
-
 def moe_mlp(x, moe: MoeWeights, linear) -> np.ndarray:
     """x [tokens, hidden] (normed) -> [tokens, hidden]: the sum of each token's chosen experts' SwiGLU
     outputs, weighted by its router probabilities. `linear`: kernels.linear_invariant or linear_fast."""
-    probs = _softmax_rows(np.ascontiguousarray(linear(x, moe.router)))                  # [tokens, experts]
+    probs = softmax_rows(np.ascontiguousarray(linear(x, moe.router)))                   # [tokens, experts]
     chosen = top_k(probs, moe.top_k)                                                    # [tokens, k]
     weights = np.take_along_axis(probs, chosen, axis=-1)                                # [tokens, k]
     if moe.norm_topk_prob:

@@ -166,6 +166,10 @@ class Checkpoint:
         return f"{self.cfg.weight_prefix}embed_tokens.weight"
 
     @property
+    def norm_name(self) -> str:
+        return f"{self.cfg.weight_prefix}norm.weight"
+
+    @property
     def head_name(self) -> str:
         return self.embed_name if self.cfg.tie_word_embeddings else "lm_head.weight"
 
@@ -173,9 +177,9 @@ class Checkpoint:
         # Each tensor is read on its own and its file mapping released at once, so the peak is the
         # converted weights plus one tensor in flight: read the largest (the embedding) first.
         embed = self.tensor(self.embed_name, dtype)
-        lm_head = embed if self.cfg.tie_word_embeddings else self.tensor("lm_head.weight", dtype)
+        lm_head = embed if self.cfg.tie_word_embeddings else self.tensor(self.head_name, dtype)
         layers = [self.layer(n, dtype) for n in range(self.cfg.num_layers)]
-        norm = self.tensor(f"{self.cfg.weight_prefix}norm.weight", dtype)
+        norm = self.tensor(self.norm_name, dtype)
         return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
@@ -229,6 +233,6 @@ class StreamedWeights:
 
     @classmethod
     def of(cls, checkpoint: Checkpoint, dtype) -> StreamedWeights:
-        norm = checkpoint.tensor(f"{checkpoint.cfg.weight_prefix}norm.weight", dtype)
+        norm = checkpoint.tensor(checkpoint.norm_name, dtype)
         return cls(_Rows(checkpoint, checkpoint.embed_name, dtype), _Layers(checkpoint, dtype), norm,
                    _Rows(checkpoint, checkpoint.head_name, dtype))
