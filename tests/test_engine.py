@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 
-from refengine.blas import blas_identity
 from refengine.check.driver import run_schedule
 from refengine.check.schedule import load_schedule, parse_schedule
 from refengine.engine import EngineConfig, LLMEngine, numerics
@@ -226,16 +225,14 @@ def test_an_engine_reads_no_fault_from_the_environment(tiny_model, monkeypatch):
     assert LLMEngine(tiny_model, EngineConfig()).config.injected is None
 
 
-def test_invariant_mode_is_refused_naming_the_blas_where_the_tile_probe_fails(tiny_model, monkeypatch):
-    """Where this BLAS would break the 16-row tile assumption, invariant mode refuses at construction
-    instead of silently losing bit-exactness; fast mode still builds."""
-    monkeypatch.setattr(numerics, "tile_assumption_holds", lambda: False)
-    blas = blas_identity()
+def test_invariant_mode_is_refused_naming_the_kernels_where_the_probe_fails(tiny_model, monkeypatch):
+    """Where the compiled kernels would give a row other bits batched than alone, invariant mode
+    refuses at construction instead of silently losing bit-exactness; fast mode still builds."""
+    monkeypatch.setattr(numerics, "invariant_kernels_hold", lambda: False)
     with pytest.raises(RefengineError, match="mode: invariant") as error:
         LLMEngine(tiny_model, EngineConfig(mode="invariant"))
     message = str(error.value)
-    assert all(str(blas[key]) in message for key in ("internal_api", "version", "architecture") if blas[key])
-    assert "fast" in message
+    assert "engine/packed.py" in message and "fast" in message
     assert LLMEngine(tiny_model, EngineConfig(mode="fast")).config.mode == "fast"
 
 

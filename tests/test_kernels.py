@@ -1,46 +1,52 @@
-"""The invariant kernels: a row's result is the same bits whatever rows share the call."""
+"""Fast mode's attention for a prefill chunk (kernels.attend_fast, via kernels.attention): one masked
+product for all of a chunk's queries. Unlike the paged kernel (tests/test_paged_attention.py) its bits
+may depend on the chunking, so it is held only to a float64 attention written here, for every chunking."""
+import math
+
 import numpy as np
 import pytest
 
-from refengine.engine.kernels import (
-    attend_fast,
-    attend_invariant,
-    fast_layout,
-    linear_fast,
-    linear_invariant,
-)
-from refengine.engine.numerics import tile_assumption_holds, tile_rows_are_independent
+from refengine.engine.faults import Fault
+from refengine.engine.kernels import attend_fast, attention
 
 
-@pytest.mark.parametrize("out_features, in_features", [(4096, 256), (1000, 96), (48, 64)])
-def test_linear_invariant_rows_do_not_depend_on_the_batch(out_features, in_features):
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
-    x = rng.standard_normal((37, in_features), dtype=np.float32)
-    orders = [rng.permutation(len(x))[:rng.integers(2, len(x) + 1)] for _ in range(5)]
-    assert tile_rows_are_independent(weight, x, orders)  # the check invariant mode's start-up probe makes
-    exact = x.astype(np.float64) @ weight.T.astype(np.float64)
-    assert np.allclose(linear_invariant(x, weight), exact, rtol=1e-4, atol=1e-4)
-    assert np.allclose(linear_fast(x, weight), exact, rtol=1e-4, atol=1e-4)
-    column_major = fast_layout(weight)
-    assert np.array_equal(column_major, weight) and column_major.flags.f_contiguous
-    assert np.allclose(linear_fast(x, column_major), exact, rtol=1e-4, atol=1e-4)
+def reference(q, k, v, start, scale, flatten=1.0):
+    """q [n, H, D] at positions start.., k, v [start + n, KVH, D], in float64, one query at a time."""
+    n, heads, head_dim = q.shape
+    group = heads // k.shape[1]
+    out = np.empty((n, heads, head_dim))
+    for t in range(n):
+        for h in range(heads):
+            keys, values = k[:start + t + 1, h // group].astype(np.float64), v[:start + t + 1, h // group]
+            scores = keys @ q[t, h].astype(np.float64) * scale
+            weights = np.exp(flatten * (scores - scores.max()))
+            out[t, h] = weights @ values.astype(np.float64) / weights.sum()
+    return out.reshape(n, heads * head_dim)
 
 
-def test_the_start_up_probe_finds_the_tile_assumption_holds_on_this_blas():
-    """What an invariant-mode engine checks before it starts (engine.numerics.require_tile_assumption)."""
-    assert tile_assumption_holds()
-
-
-def test_attend_invariant_is_independent_of_chunking_and_matches_the_masked_form():
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 16), (4, 4, 24), (6, 1, 7)])
+def test_attend_fast_matches_float64_attention_for_any_chunking(heads, kv_heads, head_dim):
     rng = np.random.default_rng(1)
-    heads, kv_heads, head_dim, length = 8, 2, 16, 29
+    length = 29
     q = rng.standard_normal((length, heads, head_dim), dtype=np.float32)
     k = rng.standard_normal((length, kv_heads, head_dim), dtype=np.float32)
     v = rng.standard_normal((length, kv_heads, head_dim), dtype=np.float32)
-    scale = 1 / np.sqrt(head_dim)
-    one_by_one = np.concatenate([attend_invariant(q[t:t + 1], k[:t + 1], v[:t + 1], t, scale) for t in range(length)])
-    for cuts in ([0, 29], [0, 5, 6, 20, 29], [0, 13, 29]):
-        chunked = np.concatenate([attend_invariant(q[a:b], k[:b], v[:b], a, scale) for a, b in zip(cuts, cuts[1:])])
-        assert np.array_equal(chunked, one_by_one)
-    assert np.allclose(attend_fast(q, k, v, 0, scale), one_by_one, atol=1e-5)
+    scale = 1 / math.sqrt(head_dim)
+    exact = reference(q, k, v, 0, scale)
+    for cuts in ([0, 29], [0, 5, 6, 20, 29], [0, 13, 29], list(range(30))):   # the last: decode rows
+        for a, b in zip(cuts, cuts[1:]):
+            out = attend_fast(q[a:b], k[:b], v[:b], a, scale)
+            assert out.shape == (b - a, heads * head_dim) and out.dtype == np.float32
+            assert np.allclose(out, exact[a:b], rtol=1e-5, atol=2e-6)
+
+
+def test_attention_injects_the_inflated_bound_fault_in_both_forms():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((9, heads, 16), dtype=np.float32) for heads in (4, 2, 2))
+    q *= 3                                                   # peaked scores, so the flattening shows
+    scale = 0.25
+    assert attention(False) == (1.0, attend_fast) and attention(True) == (1.0, None)
+    assert attention(True, Fault.ATTENTION_BOUND_INFLATING) == (math.log(2), None)
+    faulty = attention(False, Fault.ATTENTION_BOUND_INFLATING).chunk(q[4:], k, v, 4, scale)
+    assert np.allclose(faulty, reference(q[4:], k, v, 4, scale, flatten=math.log(2)), rtol=1e-5, atol=2e-6)
+    assert not np.allclose(faulty, reference(q[4:], k, v, 4, scale), atol=1e-3)

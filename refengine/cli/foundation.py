@@ -36,9 +36,9 @@ def run_info(args) -> int:
     rows.update({
         "blas": f"{blas['internal_api']} {blas['version']} ({blas['name']})", "blas kernel": blas["architecture"],
         "blas threads": blas["threads"],
-        "invariant mode": f"available ({numerics.TILE_ROWS}-row tiles bit-exact on this BLAS)"
-        if numerics.tile_assumption_holds() else f"refused: this BLAS breaks the {numerics.TILE_ROWS}-row tile "
-                                                 "assumption (fast mode works)",
+        "invariant mode": "available (the compiled kernels' rows are bit-exact alone and batched here)"
+        if numerics.invariant_kernels_hold() else "refused: the compiled kernels' rows differ alone and batched "
+                                                  "on this machine (fast mode works)",
     })
     width = max(map(len, rows))
     for key, value in rows.items():

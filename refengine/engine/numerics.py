@@ -1,6 +1,7 @@
-"""Whether the BLAS numpy multiplies with (refengine.blas) keeps the assumption invariant mode rests
-on: a row of a 16-row tile gets the same bits wherever it sits in the tile and whatever its
-neighbours hold (kernels.TILE_ROWS). Probed once per process before an invariant engine is built.
+"""Whether the compiled kernels keep the guarantee invariant mode rests on: a row's result is the same
+bits alone and anywhere in any batch. packed.py and paged_attention.py argue it from the code; this
+probe checks the machine code numba built from it (an fma contracted in one body and not in another
+would break it), once per process before an invariant engine is built.
 """
 from __future__ import annotations
 
@@ -8,47 +9,60 @@ import functools
 
 import numpy as np
 
-from ..blas import blas_identity, describe_blas
 from ..errors import RefengineError
-from .kernels import SMALL_WEIGHT_BYTES, TILE_ROWS, linear_invariant
+from . import packed, paged_attention
 
 
-def tile_rows_are_independent(weight, x, orders) -> bool:
-    """The tile assumption, checked: for every order (a list of row indices into x), each row of
-    linear_invariant(x[order], weight) has exactly the bits of that row multiplied alone (a tile of its
-    own, at position 0, padded with zeros) -- wherever the order puts it in its tile, and whatever the
-    rows around it hold."""
-    alone = np.concatenate([linear_invariant(x[i:i + 1], weight) for i in range(len(x))])
-    return all(np.array_equal(linear_invariant(x[np.asarray(order)], weight), alone[np.asarray(order)])
-               for order in orders)
+def product_rows_are_independent(weight, x) -> bool:
+    """Every row of packed.matmul(x[lo:hi], pack(weight)), for every slice of x, has exactly the bits of
+    that row multiplied alone."""
+    weight = packed.pack(weight)
+    alone = np.concatenate([packed.matmul(x[i:i + 1], weight) for i in range(len(x))])
+    return all(np.array_equal(packed.matmul(x[lo:hi], weight), alone[lo:hi])
+               for lo in range(len(x)) for hi in range(lo + 1, len(x) + 1))
 
 
-# One weight multiplied on one thread (below kernels.SMALL_WEIGHT_BYTES) and one above it, which OpenBLAS
-# may split between threads, as it does the engine's real projections.
-PROBE_SHAPES = ((48, 64), (1088, 256))
+def attention_rows_are_independent(q, k, v, block_size) -> bool:
+    """paged_attention.attend over one sequence [length, heads, head_dim]: every row of every chunking
+    has exactly the bits of that row attended alone."""
+    length, kv_heads, head_dim = k.shape
+    blocks = -(-length // block_size)
+    k_cache = np.zeros((blocks + 1, kv_heads, head_dim, block_size), dtype=np.float32)
+    v_cache = np.zeros((blocks + 1, kv_heads, block_size, head_dim), dtype=np.float32)
+    table = np.arange(blocks, 0, -1)[None]                            # blocks in reverse, none at 0
+    paged_attention.write(k_cache, v_cache, table[0, np.arange(length) // block_size] * block_size
+                          + np.arange(length) % block_size, k, v)
+    scale = 1 / np.sqrt(head_dim)
+
+    def rows(lo, hi):
+        return paged_attention.attend(q[lo:hi], k_cache, v_cache, table, np.zeros(hi - lo, dtype=np.int64),
+                                      np.arange(lo, hi) + 1, scale)
+    alone = np.concatenate([rows(t, t + 1) for t in range(length)])
+    return all(np.array_equal(rows(lo, hi), alone[lo:hi]) for lo in range(length) for hi in range(lo + 1, length + 1))
+
+
+# One product on the calling thread and one split between threads (packed.THREADED_BYTES), as the
+# engine's real projections are.
+PROBE_SHAPES = ((48, 64), (8224, 40))
 
 
 @functools.cache  # once per process: engines are built by the hundred in a test run
-def tile_assumption_holds() -> bool:
-    """tile_rows_are_independent on small fixed data: 3 rows repeated to fill a tile, so each row sits at
-    every third position next to copies of the other two, then (on the one-thread weight) over a second
-    tile beside padding. Few gemms on the larger weight: a threaded gemm takes 0.2 ms with a core free,
-    a whole scheduler slice (8 ms) when every core is busy."""
+def invariant_kernels_hold() -> bool:
+    """The two checks above on small fixed data: 9 rows, so groups of four, a group of one and
+    threads all occur."""
     rng = np.random.default_rng(0)
-    rows = np.arange(3)
-    orders = (np.resize(rows, TILE_ROWS), np.resize(np.roll(rows, 1), TILE_ROWS + 1))
     for out_features, in_features in PROBE_SHAPES:
         weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
-        x = rng.standard_normal((len(rows), in_features), dtype=np.float32)
-        if not tile_rows_are_independent(weight, x, orders if weight.nbytes <= SMALL_WEIGHT_BYTES else orders[:1]):
+        if not product_rows_are_independent(weight, rng.standard_normal((9, in_features), dtype=np.float32)):
             return False
-    return True
+    q, k, v = (rng.standard_normal((9, heads, 16), dtype=np.float32) for heads in (4, 2, 2))
+    return attention_rows_are_independent(q, k, v, block_size=4)
 
 
-def require_tile_assumption() -> None:
-    """Refuse invariant mode where this BLAS would silently lose bit-exactness."""
-    if not tile_assumption_holds():
+def require_invariant_kernels() -> None:
+    """Refuse invariant mode where the compiled kernels would silently lose bit-exactness."""
+    if not invariant_kernels_hold():
         raise RefengineError(
-            f"mode: invariant needs the BLAS to compute each row of a {TILE_ROWS}-row tile independently of "
-            f"its position and neighbours, and {describe_blas(blas_identity())} does not (batched runs would "
+            "mode: invariant needs the compiled kernels (engine/packed.py, engine/paged_attention.py) to give "
+            "a row the same bits alone and in any batch, and on this machine they do not (batched runs would "
             "not be bit-identical to serial ones); mode 'fast' still works")

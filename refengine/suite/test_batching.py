@@ -19,7 +19,7 @@ from .harness import check, fast_schedules, invariant_schedules
 pytestmark = pytest.mark.invariants
 
 # Fixed bugs, kept as regressions (their shrunk schedules, as Hypothesis reported them):
-QK_NORM_LAYOUT = {  # two rows made linear_invariant return a column-major qkv; the q/k RMSNorm then
+QK_NORM_LAYOUT = {  # two rows made the tiled BLAS product return a column-major qkv; the q/k RMSNorm then
     # reduced in another order than for one row alone (invariant mode, qk-norm models)
     "engine": {"mode": "invariant", "max_num_seqs": 2, "max_num_batched_tokens": 8, "block_size": 1,
                "max_model_len": 128, "num_blocks": 5},

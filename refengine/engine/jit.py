@@ -1,0 +1,43 @@
+"""How the engine's compiled kernels (packed.py, paged_attention.py, kernels.py) are compiled: numba,
+for this CPU, with IEEE arithmetic exactly as written -- no fastmath flag, so no sum is reordered and
+no multiply and add are fused behind the code's back. Where a kernel wants an fma it says `fma(a, b,
+c)`, one rounding, on every path. (Left to the compiler, fusion depends on the context a function is
+inlined into: a product it can prove used twice stays unfused there, and that row gets other bits.)
+Compiled code is cached on disk (numba's cache: beside the package, or in the user's cache
+directory where that is read-only), so only the first process on a machine compiles.
+
+LLVM's tuning for recent Intel cores prefers 256-bit vectors even where the CPU has 512-bit ones;
+the packed product runs about 1.6x faster at 32 rows with the wider ones (`refengine bench`
+measures it), so unless the caller chose features (NUMBA_CPU_FEATURES), the host's features are
+used without that preference.
+"""
+from __future__ import annotations
+
+import numba
+from numba import types
+from numba.core import config
+from numba.extending import intrinsic
+
+if config.CPU_FEATURES is None:
+    import llvmlite.binding as llvm
+
+    config.CPU_FEATURES = llvm.get_host_cpu_features().flatten() + ",-prefer-256-bit"
+
+OPTIONS = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+def jit(function=None, *, parallel: bool = False):
+    """numba.njit with OPTIONS; `parallel` for a kernel whose outer loop is a prange."""
+    decorate = numba.njit(parallel=parallel, **OPTIONS)
+    return decorate if function is None else decorate(function)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c rounded once (LLVM's fma: one instruction where the CPU has it). float32 or float64."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+    return a(a, b, c), codegen
