@@ -225,6 +225,27 @@ def test_an_engine_reads_no_fault_from_the_environment(tiny_model, monkeypatch):
     assert LLMEngine(tiny_model, EngineConfig()).config.injected is None
 
 
+def test_engines_on_one_model_share_its_packed_weights_and_nothing_else(tiny_model):
+    """Packed once per model (engine/model_runner.PackedModel), while each engine keeps its own KV cache:
+    two engines stepped in turn give what each gives alone."""
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [40, 41]}
+
+    def fresh(mode):
+        engine = LLMEngine(tiny_model, EngineConfig(mode=mode, max_num_seqs=2, block_size=4))
+        engine.add_request(mode, prompts["a" if mode == "fast" else "b"], params=SamplingParams(max_tokens=6))
+        return engine
+    fast, invariant = fresh("fast"), fresh("invariant")
+    assert fast.runner.layers is invariant.runner.layers and fast.runner.k_cache is not invariant.runner.k_cache
+    while fast.has_unfinished() or invariant.has_unfinished():
+        for engine in (fast, invariant):
+            if engine.has_unfinished():
+                engine.step()
+    for engine, mode in ((fast, "fast"), (invariant, "invariant")):
+        got, want = engine.output(mode), fresh(mode).run()[mode]
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 6
+        assert [s.logits_sha256 for s in got.steps] == [s.logits_sha256 for s in want.steps]
+
+
 def test_invariant_mode_is_refused_naming_the_kernels_where_the_probe_fails(tiny_model, monkeypatch):
     """Where the compiled kernels would give a row other bits batched than alone, invariant mode
     refuses at construction instead of silently losing bit-exactness; fast mode still builds."""

@@ -96,8 +96,9 @@ def suite_properties(bench_settings) -> list[Property]:
 @contextmanager
 def suite_settings(examples: int | None) -> Iterator:
     """The bench's Hypothesis settings (`examples` per property, default the dev profile's) loaded as
-    the current profile, with the default tiny model loaded, widened and calibrated beforehand so no
-    property's clock pays for it; the previous profile is loaded back after."""
+    the current profile, with the default tiny model loaded, widened, calibrated and run once in each
+    mode beforehand (once-per-process costs: the invariant-mode probe, loading compiled kernels), so
+    no property's clock pays for them; the previous profile is loaded back after."""
     try:
         from hypothesis import HealthCheck, Phase, settings
 
@@ -111,10 +112,16 @@ def suite_settings(examples: int | None) -> Iterator:
     bench_settings = settings(max_examples=examples or PROFILES["dev"]["max_examples"], derandomize=True,
                               database=None, phases=[Phase.generate], deadline=None, print_blob=False,
                               suppress_health_check=list(HealthCheck))
+    from ..engine import EngineConfig, LLMEngine
+    from ..sampling import SamplingParams
+
     model = tiny_model(DEFAULT_MODEL)
-    model.weights(np.float32)
     model.weights(np.float64)
     calibration_for(model, DEFAULT_MODEL)
+    for mode in ("fast", "invariant"):  # the invariant-mode probe, and the compiled kernels loaded
+        engine = LLMEngine(model, EngineConfig(mode=mode))
+        engine.add_request("warm-up", [1, 2, 3], params=SamplingParams(max_tokens=2))
+        engine.run()
     previous = getattr(settings, "get_current_profile_name", lambda: "default")()  # Hypothesis >= 6.135
     settings.register_profile(PROFILE, bench_settings)
     settings.load_profile(PROFILE)

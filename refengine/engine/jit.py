@@ -6,10 +6,10 @@ inlined into: a product it can prove used twice stays unfused there, and that ro
 Compiled code is cached on disk (numba's cache: beside the package, or in the user's cache
 directory where that is read-only), so only the first process on a machine compiles.
 
-LLVM's tuning for recent Intel cores prefers 256-bit vectors even where the CPU has 512-bit ones;
-the packed product runs about 1.6x faster at 32 rows with the wider ones (`refengine bench`
-measures it), so unless the caller chose features (NUMBA_CPU_FEATURES), the host's features are
-used without that preference.
+LLVM's tuning for recent Intel cores prefers 256-bit vectors even where the CPU has 512-bit ones.
+The packed product is compute-bound from about 16 rows, where wider vectors do twice the work per
+instruction, so unless the caller chose features (NUMBA_CPU_FEATURES) the host's features are used
+without that preference.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ and the paged attention are compiled (packed.py, paged_attention.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -49,11 +50,14 @@ def silu(x):
         return x / (np.float32(1) + np.exp(-x))
 
 
+@functools.cache  # read-only tables, shared by every engine with the same three numbers
 def rope_tables(max_positions, head_dim, theta):  # -> cos, sin [max_positions, head_dim] float32
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin
 
 
 def apply_rope(x, cos, sin):  # x [tokens, heads, head_dim]; cos, sin [tokens, head_dim] -> like x, C order

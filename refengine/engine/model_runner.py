@@ -1,13 +1,17 @@
 """The batched float32 forward: one pass per step over every scheduled token of every sequence.
 
 Tokens of all scheduled chunks are flattened into one [num_tokens, hidden] activation, so each
-weight matrix is read once per step. Keys and values go into a paged cache through the slot mapping;
-each chunk then attends over its own sequence's blocks. Logits are computed only for the rows that
-sample a token.
+weight matrix is read once per step (engine/packed.py). Keys and values go into a paged cache
+through the slot mapping; each query row then attends over its own sequence's blocks, all rows of a
+layer in one call (engine/paged_attention.py). Logits are computed only for the rows that sample a
+token.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -51,15 +55,26 @@ class RunnerLayer:
     moe: MoeWeights | None = None
 
 
-class ModelRunner:
-    def __init__(self, model: Model, config: EngineConfig):
-        cfg = model.config
-        self.cfg = cfg
-        self.invariant = config.mode == "invariant"
-        if self.invariant:  # before any weight is copied: refuse rather than silently lose bit-exactness
-            numerics.require_invariant_kernels()
-        weights = model.weights(np.float32)
-        self.layers = [RunnerLayer(
+@dataclass(frozen=True)
+class PackedModel:
+    """A model's float32 weights as the runner multiplies them: read-only, shared by every engine on
+    the model (packing the 0.6B shape takes seconds, and a test run builds engines by the hundred)."""
+    layers: list[RunnerLayer]
+    norm: np.ndarray
+    lm_head: PackedWeight
+    embed: Callable                # token ids -> rows [n, hidden]
+
+    @staticmethod
+    def of(model: Model) -> PackedModel:
+        with _PACKING:
+            if model not in _PACKED:
+                _PACKED[model] = PackedModel._pack(model)
+            return _PACKED[model]
+
+    @staticmethod
+    def _pack(model: Model) -> PackedModel:
+        weights, cfg = model.weights(np.float32), model.config
+        layers = [RunnerLayer(
             input_norm=w.input_norm, qkv=pack(_concat(w.q_proj, w.k_proj, w.v_proj)),
             qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
             q_norm=w.q_norm, k_norm=w.k_norm, o_proj=pack(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
@@ -67,10 +82,37 @@ class ModelRunner:
             gate_up_bias=_concat(w.gate_bias, w.up_bias),
             down=None if w.router is not None else pack(w.down_proj), down_bias=w.down_bias,
             moe=None if w.router is None else moe_weights(w, cfg)) for w in weights.layers]
-        self.norm = weights.norm
-        self.lm_head = pack(weights.lm_head)
+        lm_head = pack(weights.lm_head)
         # A tied embedding is looked up in the packed head: one copy of the largest matrix, not two.
-        self.embed = self.lm_head.rows if weights.lm_head is weights.embed else _lookup(np.array(weights.embed))
+        embed = lm_head.rows if weights.lm_head is weights.embed else _lookup(np.array(weights.embed))
+        return PackedModel(layers, weights.norm, lm_head, embed)
+
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PACKING = threading.Lock()
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Where a step's query rows read their keys: each chunk's block table (a row of `tables`), and per
+    row its chunk and how many keys it sees. In fast mode, the prefill chunks attend_fast takes whole,
+    (chunk, lo, hi, past, end), and the rows left to the paged kernel (None: every row)."""
+    tables: np.ndarray             # [chunks, max blocks]
+    row_seq: np.ndarray            # [tokens]
+    row_keys: np.ndarray           # [tokens]
+    whole_chunks: list[tuple[int, int, int, int, int]]
+    paged_rows: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(self, model: Model, config: EngineConfig):
+        cfg = model.config
+        self.cfg = cfg
+        self.invariant = config.mode == "invariant"
+        if self.invariant:  # before any weight is copied: refuse rather than silently lose bit-exactness
+            numerics.require_invariant_kernels()
+        weights = PackedModel.of(model)
+        self.layers, self.norm, self.lm_head, self.embed = weights.layers, weights.norm, weights.lm_head, weights.embed
         # Fast mode attends a prefill chunk's queries in one masked product (kernels.attend_fast), as
         # serving engines' prefill kernels do: a row's bits then depend on how its prompt was chunked.
         self.flatten, self.attend_chunk = attention(self.invariant, config.injected)
@@ -85,8 +127,10 @@ class ModelRunner:
         # pool up front: left to fault in as blocks are first used, a step where 32 sequences cross into
         # new blocks (896 blocks of the 0.6B shape) took 260 ms longer on the VMs this was measured on.
         blocks = (cfg.num_layers, config.num_blocks, cfg.num_kv_heads)
-        self.k_cache = np.zeros(blocks + (cfg.head_dim, config.block_size), dtype=np.float32)
-        self.v_cache = np.zeros(blocks + (config.block_size, cfg.head_dim), dtype=np.float32)
+        self.k_cache = np.empty(blocks + (cfg.head_dim, config.block_size), dtype=np.float32)
+        self.v_cache = np.empty(blocks + (config.block_size, cfg.head_dim), dtype=np.float32)
+        self.k_cache.fill(0)
+        self.v_cache.fill(0)
 
     def _project(self, x, weight, bias):
         y = packed.matmul(x, weight)
@@ -102,20 +146,7 @@ class ModelRunner:
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
         offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
-        spans = [self._attended_span(chunks, i) for i in range(len(chunks))]
-        tables = np.zeros((len(chunks), max(len(c.seq.block_table.block_ids) for c in chunks)), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.seq.block_table.block_ids)] = c.seq.block_table.block_ids
-        # Row r of chunk i sits at position past_i + (r - lo_i) and sees that many keys and its own.
-        row_seq = np.repeat(np.arange(len(chunks)), np.diff(offsets))
-        row_keys = np.concatenate([np.arange(past, past + c.num_tokens) + 1 for c, (past, _) in zip(chunks, spans)])
-        # Fast mode: prefill chunks go to attend_chunk, all other rows to the compiled kernel.
-        whole = [] if self.attend_chunk is None else [(i, lo, hi) for i, (c, lo, hi) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))
-                                            if c.num_tokens > 1]
-        paged_rows = np.ones(len(ids), dtype=bool)
-        for _, lo, hi in whole:
-            paged_rows[lo:hi] = False
-        paged_rows = None if paged_rows.all() else np.flatnonzero(paged_rows)
+        plan = self._plan_attention(chunks, offsets)
         cos, sin = self.cos[positions], self.sin[positions]
         scale = 1.0 / np.sqrt(cfg.head_dim)
         num_tokens, q_size, kv_size = len(ids), cfg.q_size, cfg.kv_size
@@ -130,20 +161,8 @@ class ModelRunner:
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-            paged_attention.write(k_cache, v_cache, slots, k, v)
-            if paged_rows is None:
-                attended = paged_attention.attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, self.flatten)
-            else:
-                attended = np.empty((num_tokens, q_size), dtype=np.float32)
-                if len(paged_rows):
-                    attended[paged_rows] = paged_attention.attend(q[paged_rows], k_cache, v_cache, tables,
-                                                                  row_seq[paged_rows], row_keys[paged_rows], scale,
-                                                                  self.flatten)
-                for i, lo, hi in whole:
-                    past, end = spans[i]
-                    keys, values = paged_attention.gather(k_cache, v_cache, tables[i], end)
-                    attended[lo:hi] = self.attend_chunk(q[lo:hi], keys, values, past, scale)
+            paged_attention.write(self.k_cache[layer], self.v_cache[layer], slots, k, v)
+            attended = self._attend(layer, q, plan, scale)
             x = x + self._project(attended, w.o_proj, w.o_bias)
             if w.moe is not None:
                 x = x + moe_mlp(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.moe)
@@ -158,6 +177,38 @@ class ModelRunner:
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
         final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
         return packed.matmul(final, self.lm_head)
+
+    def _plan_attention(self, chunks: list[ScheduledChunk], offsets) -> AttentionPlan:
+        tables = np.zeros((len(chunks), max(len(c.seq.block_table.block_ids) for c in chunks)), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.seq.block_table.block_ids)] = c.seq.block_table.block_ids
+        spans = [self._attended_span(chunks, i) for i in range(len(chunks))]
+        # Row r of chunk i sits at position past_i + (r - lo_i) and sees that many keys and its own.
+        row_seq = np.repeat(np.arange(len(chunks)), np.diff(offsets))
+        row_keys = np.concatenate([np.arange(past, past + c.num_tokens) + 1 for c, (past, _) in zip(chunks, spans)])
+        whole = [] if self.attend_chunk is None else [
+            (i, lo, hi, *spans[i]) for i, (c, lo, hi) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))
+            if c.num_tokens > 1]
+        paged = np.ones(len(row_seq), dtype=bool)
+        for _, lo, hi, _, _ in whole:
+            paged[lo:hi] = False
+        return AttentionPlan(tables, row_seq, row_keys, whole, None if paged.all() else np.flatnonzero(paged))
+
+    def _attend(self, layer: int, q, plan: AttentionPlan, scale: float) -> np.ndarray:
+        """The step's attention in one layer, q [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        if plan.paged_rows is None:
+            return paged_attention.attend(q, k_cache, v_cache, plan.tables, plan.row_seq, plan.row_keys, scale,
+                                          self.flatten)
+        rows = plan.paged_rows
+        attended = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+        if len(rows):
+            attended[rows] = paged_attention.attend(q[rows], k_cache, v_cache, plan.tables, plan.row_seq[rows],
+                                                    plan.row_keys[rows], scale, self.flatten)
+        for i, lo, hi, past, end in plan.whole_chunks:
+            keys, values = paged_attention.gather(k_cache, v_cache, plan.tables[i], end)
+            attended[lo:hi] = self.attend_chunk(q[lo:hi], keys, values, past, scale)
+        return attended
 
     def _attended_span(self, chunks: list[ScheduledChunk], i: int) -> tuple[int, int]:
         """(past, end) of chunk i's attention: its queries sit at positions past.. and see keys [:end]."""

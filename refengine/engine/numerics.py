@@ -13,18 +13,23 @@ from ..errors import RefengineError
 from . import packed, paged_attention
 
 
+def _slices(n: int):
+    """Every prefix and suffix of n rows: each row at each position a batch can put it in."""
+    return sorted({(0, hi) for hi in range(1, n + 1)} | {(lo, n) for lo in range(n)})
+
+
 def product_rows_are_independent(weight, x) -> bool:
-    """Every row of packed.matmul(x[lo:hi], pack(weight)), for every slice of x, has exactly the bits of
-    that row multiplied alone."""
+    """Every row of packed.matmul(x[lo:hi], pack(weight)), for every prefix and suffix of x, has exactly
+    the bits of that row multiplied alone."""
     weight = packed.pack(weight)
     alone = np.concatenate([packed.matmul(x[i:i + 1], weight) for i in range(len(x))])
-    return all(np.array_equal(packed.matmul(x[lo:hi], weight), alone[lo:hi])
-               for lo in range(len(x)) for hi in range(lo + 1, len(x) + 1))
+    return all(np.array_equal(packed.matmul(x[lo:hi], weight), alone[lo:hi]) for lo, hi in _slices(len(x)))
 
 
 def attention_rows_are_independent(q, k, v, block_size) -> bool:
-    """paged_attention.attend over one sequence [length, heads, head_dim]: every row of every chunking
-    has exactly the bits of that row attended alone."""
+    """paged_attention.attend over one sequence [length, heads, head_dim]: every row of every prefix and
+    suffix of the sequence's rows (a decode, a chunk, a whole prefill) has exactly the bits of that
+    row attended alone."""
     length, kv_heads, head_dim = k.shape
     blocks = -(-length // block_size)
     k_cache = np.zeros((blocks + 1, kv_heads, head_dim, block_size), dtype=np.float32)
@@ -38,7 +43,7 @@ def attention_rows_are_independent(q, k, v, block_size) -> bool:
         return paged_attention.attend(q[lo:hi], k_cache, v_cache, table, np.zeros(hi - lo, dtype=np.int64),
                                       np.arange(lo, hi) + 1, scale)
     alone = np.concatenate([rows(t, t + 1) for t in range(length)])
-    return all(np.array_equal(rows(lo, hi), alone[lo:hi]) for lo in range(length) for hi in range(lo + 1, length + 1))
+    return all(np.array_equal(rows(lo, hi), alone[lo:hi]) for lo, hi in _slices(length))
 
 
 # One product on the calling thread and one split between threads (packed.THREADED_BYTES), as the
@@ -48,8 +53,8 @@ PROBE_SHAPES = ((48, 64), (8224, 40))
 
 @functools.cache  # once per process: engines are built by the hundred in a test run
 def invariant_kernels_hold() -> bool:
-    """The two checks above on small fixed data: 9 rows, so groups of four, a group of one and
-    threads all occur."""
+    """The two checks above on small fixed data: 9 rows, so groups of eight, a group of one, smaller
+    groups and threads all occur."""
     rng = np.random.default_rng(0)
     for out_features, in_features in PROBE_SHAPES:
         weight = rng.standard_normal((out_features, in_features), dtype=np.float32)

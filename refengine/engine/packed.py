@@ -56,7 +56,7 @@ def pack(weight: np.ndarray) -> PackedWeight:
     out_features, in_features = weight.shape
     num_blocks = -(-out_features // BLOCK)
     blocks = np.zeros((num_blocks, in_features, BLOCK), dtype=np.float32)
-    for b in range(num_blocks):  # one block at a time: a memory-mapped checkpoint is never read whole
+    for b in range(num_blocks):  # one block at a time: no temporary the size of the weight
         part = weight[b * BLOCK:(b + 1) * BLOCK]
         blocks[b, :, :len(part)] = part.T
     return PackedWeight(blocks, out_features)
