@@ -1,13 +1,14 @@
-"""Float32 building blocks of the batched forward: norms and rotary embedding (compiled, jit.py: numpy
-spent more time per call than the arithmetic), activations, softmax, and fast mode's attention for a
-prefill chunk. Row-wise norms, exp and elementwise ops give a row the same bits whatever rows share
-the call. attend_fast does not: its masked product sums
-zeros for future keys, so a row's bits depend on the chunk it was computed in. The weight products
-and the paged attention are compiled (packed.py, paged_attention.py).
+"""Float32 building blocks of the batched forward: norms, rotary embedding and the SwiGLU product
+(compiled, jit.py: numpy spent more time per call than the arithmetic), softmax, and fast mode's
+attention for a prefill chunk. Row-wise norms, exp and elementwise ops give a row the same bits
+whatever rows share the call. attend_fast does not: its masked product sums zeros for future keys,
+so a row's bits depend on the chunk it was computed in. The weight products and the paged
+attention are compiled too (packed.py, paged_attention.py).
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -45,9 +46,21 @@ def _rms_norm_rows(x, weight, eps, out):
             out[r, i] = x[r, i] * inverse * weight[i]
 
 
-def silu(x):
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; x / inf = -0 is right
-        return x / (np.float32(1) + np.exp(-x))
+def silu_mul(gate_up):  # [rows, 2 * width] -> silu(gate) * up, [rows, width] C order
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((rows, width), dtype=np.float32)
+    _silu_mul(np.ascontiguousarray(gate_up, dtype=np.float32), out)
+    return out
+
+
+@jit
+def _silu_mul(gate_up, out):
+    width = out.shape[1]
+    for r in range(out.shape[0]):
+        for i in range(width):
+            gate = gate_up[r, i]
+            # exp(-gate) overflows to inf for very negative gates, and gate / inf = -0 is right
+            out[r, i] = gate / (np.float32(1) + np.float32(math.exp(-gate))) * gate_up[r, width + i]
 
 
 @functools.cache  # read-only tables, shared by every engine with the same three numbers

@@ -20,7 +20,7 @@ from . import numerics, packed, paged_attention
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .faults import Fault
-from .kernels import apply_rope, attention, rms_norm, rope_tables, silu
+from .kernels import apply_rope, attention, rms_norm, rope_tables, silu_mul
 from .moe import MoeWeights, moe_mlp, moe_weights
 from .packed import PackedWeight, pack
 from .scheduler import ScheduledChunk
@@ -168,8 +168,7 @@ class ModelRunner:
                 x = x + moe_mlp(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.moe)
                 continue
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
-            half = cfg.intermediate_size
-            x = x + self._project(silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
+            x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
 
         sampling_rows = [self._sampling_row(chunks, i, hi) for i, (chunk, hi) in enumerate(zip(chunks, offsets[1:]))
                          if chunk.samples]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.routing import top_k
-from .kernels import silu, softmax_rows
+from .kernels import silu_mul, softmax_rows
 from .packed import PackedWeight, matmul, pack
 
 
@@ -55,8 +55,7 @@ def moe_mlp(x, moe: MoeWeights) -> np.ndarray:
             continue
         token, rank = np.divmod(order[lo:hi], moe.top_k)
         gate_up = matmul(x[token], moe.gate_up[expert])                                # [n, 2 * moe_inter]
-        half = gate_up.shape[1] // 2
-        out = matmul(silu(gate_up[:, :half]) * gate_up[:, half:], moe.down[expert])    # [n, hidden]
+        out = matmul(silu_mul(gate_up), moe.down[expert])    # [n, hidden]
         contributions[token, rank] = out * weights[token, rank, None]
     total = contributions[:, 0].copy()
     for rank in range(1, moe.top_k):  # the token's own rank order: never the batch's
