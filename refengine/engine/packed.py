@@ -12,9 +12,9 @@ order, starting from zero:
 
     y[r, o] = fma(x[r, K-1], w[o, K-1], ... fma(x[r, 1], w[o, 1], fma(x[r, 0], w[o, 0], 0)))
 
-Rows go in groups of eight, outputs in blocks of 32, and blocks are split between threads. A last
-group of one row runs a one-row body; a smaller group of two to seven repeats its last row. None of this
-changes any element's chain. The rows of a group are separate chains (the same instructions on
+Rows go in groups of eight, outputs in blocks of 32, and blocks are split between threads. A single
+row, or a last group of one, runs a one-row body; a smaller group of two to seven repeats its last
+row. None of this changes any element's chain. The rows of a group are separate chains (the same instructions on
 other registers). Vector lanes are separate outputs. No chain is split or reordered, and every step
 is an explicit fma (jit.py). tests/test_packed.py checks every row of batches of 1-33 rows, at every
 position, threaded and not, against the row alone and against float64.
@@ -127,10 +127,14 @@ def _one_row_blocks(x, blocks, out, b, count, r):
         x0, x1, x2, x3 = x[r, i], x[r, i + 1], x[r, i + 2], x[r, i + 3]
         i1, i2, i3 = i + 1, i + 2, i + 3
         for o in range(BLOCK):
-            acc[0, o] = fma(x3, blocks0[i3, o], fma(x2, blocks0[i2, o], fma(x1, blocks0[i1, o], fma(x0, blocks0[i, o], acc[0, o]))))
-            acc[1, o] = fma(x3, blocks1[i3, o], fma(x2, blocks1[i2, o], fma(x1, blocks1[i1, o], fma(x0, blocks1[i, o], acc[1, o]))))
-            acc[2, o] = fma(x3, blocks2[i3, o], fma(x2, blocks2[i2, o], fma(x1, blocks2[i1, o], fma(x0, blocks2[i, o], acc[2, o]))))
-            acc[3, o] = fma(x3, blocks3[i3, o], fma(x2, blocks3[i2, o], fma(x1, blocks3[i1, o], fma(x0, blocks3[i, o], acc[3, o]))))
+            acc[0, o] = fma(x3, blocks0[i3, o], fma(x2, blocks0[i2, o],
+                                                    fma(x1, blocks0[i1, o], fma(x0, blocks0[i, o], acc[0, o]))))
+            acc[1, o] = fma(x3, blocks1[i3, o], fma(x2, blocks1[i2, o],
+                                                    fma(x1, blocks1[i1, o], fma(x0, blocks1[i, o], acc[1, o]))))
+            acc[2, o] = fma(x3, blocks2[i3, o], fma(x2, blocks2[i2, o],
+                                                    fma(x1, blocks2[i1, o], fma(x0, blocks2[i, o], acc[2, o]))))
+            acc[3, o] = fma(x3, blocks3[i3, o], fma(x2, blocks3[i2, o],
+                                                    fma(x1, blocks3[i1, o], fma(x0, blocks3[i, o], acc[3, o]))))
     for i in range(whole, size):
         for o in range(BLOCK):
             acc[0, o] = fma(x[r, i], blocks0[i, o], acc[0, o])

@@ -8,10 +8,11 @@ whole value rows.
 
 Why a row's result cannot depend on the batch, the chunking or the phase: a query row at position p
 reads exactly keys and values 0..p of its own sequence, and every sum runs in an order written here.
-A score is a fixed combination of four chains over head_dim (_attend_one). The softmax's max and its
-denominator run over positions in order, and so does the output's sum of value rows. Nothing depends on the other rows of the step,
-on how they are split into chunks or threads, or on whether the row is a prefill or a decode: the
-same position of the same sequence gets the same bits. tests/test_paged_attention.py checks this.
+A score is a fixed combination of four chains over head_dim (_attend_one). The softmax's max and
+its denominator run over positions in order, and so does the output's sum of value rows. Nothing
+depends on the other rows of the step, on how they are split into chunks or threads, or on whether
+the row is a prefill or a decode: the same position of the same sequence gets the same bits.
+tests/test_paged_attention.py checks this.
 """
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, 
         whole = n - n % 4
         for g in range(group):
             for o in range(0, whole, 4):
-                e0, e1, e2, e3 = scores[g, base + o], scores[g, base + o + 1], scores[g, base + o + 2], scores[g, base + o + 3]
+                e0, e1 = scores[g, base + o], scores[g, base + o + 1]
+                e2, e3 = scores[g, base + o + 2], scores[g, base + o + 3]
                 v0, v1, v2, v3 = (v_cache[block, kv_head, o], v_cache[block, kv_head, o + 1],
                                   v_cache[block, kv_head, o + 2], v_cache[block, kv_head, o + 3])
                 for d in range(head_dim):
