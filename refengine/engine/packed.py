@@ -3,8 +3,8 @@
 A decode step multiplies 1-32 rows by every weight of the model. OpenBLAS's sgemm does poorly with so
 few rows: it re-packs the weight on every call, and its microkernel wants more rows. Here each
 weight is packed once, at load, into blocks of 32 outputs, [out/32, in, 32] (`pack`). A block
-streams from memory contiguously, and the rows of the step pass over it eight at a time. Their
-accumulators stay in vector registers, so each weight is read from memory once per step.
+streams from memory contiguously while the rows of the step pass over it, their accumulators in
+vector registers, so each weight is read from memory once per step.
 
 Why a row's result cannot depend on the batch (the guarantee invariant mode needs, here by
 construction): every output element is one chain of fused multiply-adds over the input index, in
@@ -12,9 +12,11 @@ order, starting from zero:
 
     y[r, o] = fma(x[r, K-1], w[o, K-1], ... fma(x[r, 1], w[o, 1], fma(x[r, 0], w[o, 0], 0)))
 
-Rows go in groups of eight, outputs in blocks of 32, and blocks are split between threads. A single
-row, or a last group of one, runs a one-row body; a smaller group of two to seven repeats its last
-row. None of this changes any element's chain. The rows of a group are separate chains (the same instructions on
+Outputs go in blocks of 32, split between threads. A single row runs a one-row body over four
+blocks at once; two to four rows a four-row body over two blocks (two weight streams per thread
+read memory faster than one); more rows go in groups of eight per block, a last group of one in
+the one-row body, a smaller last group repeating its last row. None of this changes any element's
+chain. The rows of a group are separate chains (the same instructions on
 other registers). Vector lanes are separate outputs. No chain is split or reordered, and every step
 is an explicit fma (jit.py). tests/test_packed.py checks every row of batches of 1-33 rows, at every
 position, threaded and not, against the row alone and against float64.
@@ -147,10 +149,50 @@ def _one_row_blocks(x, blocks, out, b, count, r):
 
 
 @jit
+def _four_rows_two_blocks(x, blocks, out, b, count):
+    """Rows 0..3 of x (fewer repeat the last) for output blocks b..b+count-1 (count <= 2): the same
+    chains as _block's, two blocks at once -- two weight streams per thread, which a batch of two to
+    four rows needs to read memory as fast as a single row does."""
+    size, last = x.shape[1], x.shape[0] - 1
+    whole = size - size % 4
+    r1, r2, r3 = min(1, last), min(2, last), min(3, last)
+    blocks0, blocks1 = blocks[b], blocks[b + count - 1]
+    acc = np.zeros((8, BLOCK), dtype=np.float32)  # [block * 4 + row, o]
+    for i in range(0, whole, 4):
+        i1, i2, i3 = i + 1, i + 2, i + 3
+        for o in range(BLOCK):
+            for j in range(2):
+                w = blocks0 if j == 0 else blocks1
+                w0, w1, w2, w3 = w[i, o], w[i1, o], w[i2, o], w[i3, o]
+                acc[4 * j, o] = fma(x[0, i3], w3, fma(x[0, i2], w2, fma(x[0, i1], w1, fma(x[0, i], w0, acc[4 * j, o]))))
+                acc[4 * j + 1, o] = fma(x[r1, i3], w3, fma(x[r1, i2], w2,
+                                                   fma(x[r1, i1], w1, fma(x[r1, i], w0, acc[4 * j + 1, o]))))
+                acc[4 * j + 2, o] = fma(x[r2, i3], w3, fma(x[r2, i2], w2,
+                                                   fma(x[r2, i1], w1, fma(x[r2, i], w0, acc[4 * j + 2, o]))))
+                acc[4 * j + 3, o] = fma(x[r3, i3], w3, fma(x[r3, i2], w2,
+                                                   fma(x[r3, i1], w1, fma(x[r3, i], w0, acc[4 * j + 3, o]))))
+    for i in range(whole, size):
+        for o in range(BLOCK):
+            for j in range(2):
+                w = blocks0[i, o] if j == 0 else blocks1[i, o]
+                acc[4 * j, o] = fma(x[0, i], w, acc[4 * j, o])
+                acc[4 * j + 1, o] = fma(x[r1, i], w, acc[4 * j + 1, o])
+                acc[4 * j + 2, o] = fma(x[r2, i], w, acc[4 * j + 2, o])
+                acc[4 * j + 3, o] = fma(x[r3, i], w, acc[4 * j + 3, o])
+    for j in range(count):
+        for r in range(last + 1):
+            for o in range(BLOCK):
+                out[r, (b + j) * BLOCK + o] = acc[4 * j + r, o]
+
+
+@jit
 def _task(x, blocks, out, t):
-    """Task t of a product: output block t of every row, or, for a single row, blocks 4t..4t+3."""
+    """Task t of a product: for a single row, output blocks 4t..4t+3; for two to four rows, blocks
+    2t, 2t+1; else output block t of every row."""
     if x.shape[0] == 1:
         _one_row_blocks(x, blocks, out, 4 * t, min(4, blocks.shape[0] - 4 * t), 0)
+    elif x.shape[0] <= 4:
+        _four_rows_two_blocks(x, blocks, out, 2 * t, min(2, blocks.shape[0] - 2 * t))
     else:
         _block(x, blocks, out, t)
 
@@ -169,4 +211,6 @@ def _product_threaded(x, blocks, out):
 
 @jit
 def _tasks(x, blocks):
-    return (blocks.shape[0] + 3) // 4 if x.shape[0] == 1 else blocks.shape[0]
+    if x.shape[0] == 1:
+        return (blocks.shape[0] + 3) // 4
+    return (blocks.shape[0] + 1) // 2 if x.shape[0] <= 4 else blocks.shape[0]
