@@ -75,7 +75,7 @@ from tqdm import tqdm
 
 from .. import blas, reference
 from ..data import shipped
-from ..engine import kernels, model_runner
+from ..engine import jit, kernels, model_runner, moe, packed, paged_attention
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
@@ -278,15 +278,17 @@ def stored_calibration(model: Model) -> dict | None:
     return None
 
 
-@functools.cache  # neither the sources nor the loaded BLAS change under a running process
+@functools.cache  # neither the sources nor the loaded libraries change under a running process
 def numerics_digest() -> str:
-    """Of the sources whose arithmetic the bounds measure and of the BLAS that does it (library, version,
-    CPU kernel: refengine.blas.blas_numerics): a bound cached under another digest was measured on other
-    kernels, and may be too loose or too tight for these."""
+    """Of the sources whose arithmetic the bounds measure, of the BLAS that does part of it (library,
+    version, CPU kernel: refengine.blas.blas_numerics) and of the compiler that builds the engine's
+    kernels (engine/jit.py: its version and the CPU features it compiles for): a bound cached under
+    another digest was measured on other kernels, and may be too loose or too tight for these."""
     digest = hashlib.sha256()
-    for module in (kernels, model_runner, reference):
+    for module in (kernels, model_runner, moe, packed, paged_attention, jit, reference):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(json.dumps(blas.blas_numerics(), sort_keys=True).encode())
+    digest.update(json.dumps(jit.compiler_identity(), sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 

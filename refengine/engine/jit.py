@@ -26,6 +26,14 @@ if config.CPU_FEATURES is None:
 OPTIONS = {"cache": True, "nogil": True, "error_model": "numpy"}
 
 
+def compiler_identity() -> dict:
+    """What the compiled kernels' bits can depend on besides their source: numba's and LLVM's
+    versions and the CPU features compiled for."""
+    import llvmlite
+
+    return {"numba": numba.__version__, "llvmlite": llvmlite.__version__, "cpu_features": config.CPU_FEATURES}
+
+
 def jit(function=None, *, parallel: bool = False):
     """numba.njit with OPTIONS; `parallel` for a kernel whose outer loop is a prange."""
     decorate = numba.njit(parallel=parallel, **OPTIONS)
