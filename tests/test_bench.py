@@ -69,10 +69,10 @@ def test_goals_are_ratios_of_the_reported_figures(report):
     assert goals["invariant / fast, worst batch"] == {"ratio": pytest.approx(ratios[worst]), "goal": 0.85, "at": worst}
     assert goals["invariant batch 1 / serial"]["ratio"] == pytest.approx(rows["invariant", 1]["vs_serial"])
     weight_read_s = data["weight_bytes_f32"] / machine["bandwidth"]
-    batch1, reads = decode["goals"]["batch1_step_vs_weight_read"], decode["batch1_with_bandwidth_reads"]
+    reads = decode["batch1_with_bandwidth_reads"]
     p50_step_s = rows["fast", 1]["decode_step_ms"]["p50"] / 1e3
-    assert batch1["best_bandwidth_ratio"] == pytest.approx(p50_step_s / weight_read_s)
-    assert batch1["ratio"] == reads["ratio"] > 0
+    assert reads["best_bandwidth_ratio"] == pytest.approx(p50_step_s / weight_read_s)
+    assert reads["ratio"] > 0
     assert reads["decode_steps"] == SERIAL_REQUESTS * (MAX_TOKENS - 1)  # every token after the first is a decode
     low, high = reads["bandwidth_range"]
     assert 0 < low <= reads["bandwidth_median"] <= high

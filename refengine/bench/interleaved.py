@@ -1,4 +1,4 @@
-"""Goal ratios measured with the two things compared taking turns.
+"""Ratios measured with the two things compared taking turns.
 
 The machines this runs on are VMs whose memory bandwidth moves with their host's load (35-72 GB/s
 for the same read within an hour), so a serial run and a batched run minutes apart can differ by 20%
