@@ -7,7 +7,7 @@ every operation stays float32 (the RoPE angles are computed in float64, as the e
 and rounded to the working precision). That float32 reference -- no scheduler, no paging, no
 batching -- is what refengine.check.calibrate holds against the float64 one to bound float32 noise.
 
-A model whose float64 copy would be large is streamed (Model.reference_weights: each layer widened
+A model whose float64 copy would not fit in memory is streamed (Model.reference_weights: each layer widened
 when the forward reaches it and dropped after), so the oracle of an 8B model needs about one layer
 of float64 memory plus its KV cache, at the price of widening the weights again on every pass.
 A golden refresh decodes its cases in lockstep groups (generate_lockstep): each still its own

@@ -139,13 +139,14 @@ def test_reference_refresh_decodes_the_seed_set_serial_and_in_lockstep(report):
 
 @pytest.mark.parametrize("model_name", ["qwen3-gqa2-tied", "qwen2-gqa2-untied"])
 def test_a_streamed_refresh_also_reads_the_stored_weights(model_name, tmp_path, monkeypatch):
-    """Streamed (every model streams above 0 bytes), a pass reads the checkpoint besides the float64
+    """Streamed (every model streams above 0 bytes with no memory to spare), a pass reads the checkpoint besides the float64
     weights: the tied head's embedding once, an untied model's embedding not at all (a few rows)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "Once upon a time", "max_tokens": 3}\n'
                        '{"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}\n'
                        '{"id": "c", "prompt": "The sea", "max_tokens": 2}\n')
     monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", 0)
+    monkeypatch.setattr(loader, "available_memory", lambda: 0)
     model = tiny_model(model_name)
     path, cases = refresh_cases(prompts, 4)
     machine = Machine(bandwidth_1thread=1e10, bandwidth_all=2e10, threads=2, sgemm_flops=1e11, load_average=0.0)

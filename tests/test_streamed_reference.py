@@ -1,6 +1,7 @@
 """The streamed float64 reference (model.weights.StreamedWeights: one layer widened at a time, the
 output head in row blocks) gives the in-memory reference's results bit for bit, and a model whose
-float64 weights exceed the streaming threshold takes that path without holding them."""
+float64 weights exceed the streaming threshold and the memory to spare takes that path without
+holding them."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,14 +31,35 @@ def test_streamed_forward_is_bit_identical_to_the_in_memory_one(bf16_model, monk
     assert streamed.dtype == np.float64 and np.array_equal(streamed, in_memory)
 
 
+def _without_memory(monkeypatch, threshold: int = 0) -> None:
+    monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", threshold)
+    monkeypatch.setattr(loader, "available_memory", lambda: 0)
+
+
+def test_a_model_over_the_threshold_is_in_memory_while_memory_allows(bf16_model, monkeypatch):
+    size = bf16_model.config.num_parameters * 8  # 0.3 MB in float64
+    monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", 0)
+    monkeypatch.setattr(loader, "available_memory", lambda: 2 * size)  # exactly MEMORY_SHARE of it
+    assert isinstance(load_model(bf16_model.path).reference_weights(np.float64), weights.Weights)
+    monkeypatch.setattr(loader, "available_memory", lambda: 2 * size - 1)
+    assert isinstance(load_model(bf16_model.path).reference_weights(np.float64), weights.StreamedWeights)
+
+
+def test_weights_already_in_memory_are_used_whatever_the_memory_left(bf16_model, monkeypatch):
+    held = bf16_model.weights(np.float64)
+    _without_memory(monkeypatch)
+    assert bf16_model.reference_weights(np.float64) is held
+
+
 def test_a_model_over_the_threshold_is_streamed_by_generate(bf16_model, monkeypatch):
     params = SamplingParams(max_tokens=12)
     monkeypatch.setattr(weights, "HEAD_BLOCK_ROWS", 128)
-    assert isinstance(bf16_model.reference_weights(np.float64), weights.Weights)  # 0.3 MB in float64
+    assert isinstance(bf16_model.reference_weights(np.float64), weights.Weights)
     whole = generate(bf16_model, [3, 1, 4, 1, 5], params)
-    monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", 0)
-    assert isinstance(bf16_model.reference_weights(np.float64), weights.StreamedWeights)
-    streamed = generate(bf16_model, [3, 1, 4, 1, 5], params)
+    _without_memory(monkeypatch)
+    fresh = load_model(bf16_model.path)  # holds no float64 weights yet
+    assert isinstance(fresh.reference_weights(np.float64), weights.StreamedWeights)
+    streamed = generate(fresh, [3, 1, 4, 1, 5], params)
     assert streamed.token_ids == whole.token_ids and streamed.margins == whole.margins
     assert [s.top_logprobs for s in streamed.steps] == [s.top_logprobs for s in whole.steps]
 
@@ -57,8 +79,8 @@ def test_lockstep_answers_equal_each_prompt_alone_up_to_float64_rounding(bf16_mo
     alone = [generate(bf16_model, p, sp) for p, sp in zip(prompts, params)]
     runs = []
     for threshold in (1 << 40, 0):  # in memory, then streamed
-        monkeypatch.setattr(loader, "STREAM_ABOVE_BYTES", threshold)
-        together = generate_lockstep(bf16_model, prompts, params)
+        _without_memory(monkeypatch, threshold)
+        together = generate_lockstep(load_model(bf16_model.path), prompts, params)
         for a, b in zip(alone, together):
             assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
             assert [[i for i, _ in s.top_logprobs] for s in a.steps] == [[i for i, _ in s.top_logprobs] for s in b.steps]

@@ -6,6 +6,7 @@ each dtype is converted once and cached.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from functools import cached_property
 from pathlib import Path
@@ -18,7 +19,26 @@ from .tokenizer import Tokenizer
 from .weights import Checkpoint, StreamedWeights, Weights
 
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-STREAM_ABOVE_BYTES = 1 << 30  # the reference streams a model whose converted weights would exceed this
+# The reference holds a model's converted weights in memory up to this size, and above it while they
+# fit in MEMORY_SHARE of the memory available when first asked; otherwise it streams them.
+STREAM_ABOVE_BYTES = 1 << 30
+MEMORY_SHARE = 0.5
+
+
+def available_memory() -> int:
+    """Bytes the system can hand out now without swapping: Linux's MemAvailable (free memory plus
+    the page cache it can drop), elsewhere the free pages; 0 when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class Model:
@@ -38,13 +58,18 @@ class Model:
             return self._weights[dtype]
 
     def reference_weights(self, dtype=np.float64) -> Weights | StreamedWeights:
-        """What the reference forward reads: the cached weights, or for a model whose weights in `dtype`
-        would exceed STREAM_ABOVE_BYTES (a fixed size, not the machine's memory, so a golden refresh
-        takes the same path everywhere), StreamedWeights."""
+        """What the reference forward reads: the weights in `dtype`, converted once and cached, unless
+        they exceed STREAM_ABOVE_BYTES and would not fit in MEMORY_SHARE of the memory available now:
+        then StreamedWeights, which hold one layer at a time and widen the checkpoint on every pass.
+        Both give the same bits (tests/test_streamed_reference.py), so the machine's memory decides
+        only a refresh's speed and footprint, never its results."""
         dtype = np.dtype(dtype)
-        if self.config.num_parameters * dtype.itemsize > STREAM_ABOVE_BYTES:
-            return StreamedWeights.of(self.checkpoint, dtype)
-        return self.weights(dtype)
+        size = self.config.num_parameters * dtype.itemsize
+        with self._lock:
+            cached = dtype in self._weights
+        if cached or size <= STREAM_ABOVE_BYTES or size <= MEMORY_SHARE * available_memory():
+            return self.weights(dtype)
+        return StreamedWeights.of(self.checkpoint, dtype)
 
     @cached_property
     def fingerprint(self) -> str:
