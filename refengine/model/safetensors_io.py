@@ -1,18 +1,29 @@
 """Read safetensors with the safetensors library; write them ourselves, byte for byte reproducibly.
 
-Reading goes through `safetensors.safe_open(path, framework="np")`, one tensor at a time and one
-open per tensor, so a file's mapping never stays resident beyond the tensor being copied out.
-ml_dtypes is imported before a BF16 tensor is read, because it registers `bfloat16` with numpy:
-with it, safetensors (>= 0.4.1) returns BF16 tensors as `ml_dtypes.bfloat16` arrays, which
-`.astype(np.float32)` widens exactly (bf16 is the top half of a float32). Only then: importing it
-takes about a second, which every refengine process (each CLI call, each test worker) would pay. The library's own exceptions are translated into
-RefengineError naming the file (and the tensor, where the library or we know it).
+Opening goes through `safetensors.safe_open(path, framework="np")`, which validates the header
+(names, dtypes, shapes, byte ranges), and so does `get` (a tensor as stored). ml_dtypes is imported
+before `get` returns a BF16 tensor, because it registers `bfloat16` with numpy: with it, safetensors
+(>= 0.4.1) returns BF16 tensors as `ml_dtypes.bfloat16` arrays. Only then: importing it takes about a
+second, which every refengine process (each CLI call, each test worker) would pay. The library's own
+exceptions are translated into RefengineError naming the file (and the tensor, where the library or
+we know it).
+
+`get_float`, which every weight goes through, widens from a read-only mapping of the validated byte
+range instead: the library would first copy the stored bytes out (for a streamed float64 reference,
+every tensor on every pass), and its copy holds the GIL. Widening is exact either way (bf16 is the
+top half of a float32: tests/test_loading_errors.py checks every bf16 bit pattern against torch), and
+it runs in WIDEN_CHUNK pieces on every core, numpy's casts releasing the GIL. The mapping is dropped
+when the call returns, so no file stays mapped beyond the tensor being read.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +84,27 @@ def _translate(path: Path, error: Exception, tensor: str | None = None) -> Refen
     return RefengineError(f"{path}: {what}{where} (safetensors: {text})")
 
 
-WIDEN_CHUNK = 1 << 16  # bf16 values widened per pass through a float32 buffer
+WIDEN_CHUNK = 1 << 16  # values widened per piece: a bf16 piece's float32 stays in cache
+PARALLEL_VALUES = 1 << 20  # a tensor this large is widened on every core
+_STORED = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "U8": "u1"}
+
+
+@cache
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@cache
+def _workers(pid: int) -> ThreadPoolExecutor:  # per process: a forked child has none of its parent's threads
+    return ThreadPoolExecutor(_cores(), thread_name_prefix="refengine-widen")
+
+
+def _widen(stored: np.ndarray, bf16: bool, out: np.ndarray, start: int, stop: int) -> None:
+    """out[start:stop] = stored[start:stop] widened (both flat), WIDEN_CHUNK values at a time."""
+    for lo in range(start, stop, WIDEN_CHUNK):
+        hi = min(lo + WIDEN_CHUNK, stop)
+        piece = stored[lo:hi]
+        out[lo:hi] = (piece.astype(np.uint32) << 16).view(np.float32) if bf16 else piece  # exact
 
 
 class SafetensorsFile:
@@ -91,6 +122,10 @@ class SafetensorsFile:
                 if dtype not in READABLE_DTYPES:
                     raise RefengineError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
                 self.tensors[name] = (dtype, shape)
+        with open(self.path, "rb") as f:  # the byte ranges the library has just validated
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        self._offsets = {name: 8 + length + header[name]["data_offsets"][0] for name in self.tensors}
 
     @contextmanager
     def _open(self, tensor: str | None = None):
@@ -118,22 +153,28 @@ class SafetensorsFile:
             except SafetensorError as e:
                 raise _translate(self.path, e, name) from None
 
-    def get_float(self, name: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
-        """The tensor (or the rows `rows` of it: only they are read) widened to `dtype`."""
-        if rows is None:
-            array = self.get(name)
-        else:
-            self._readable(name)
-            with self._open(name) as f:
-                try:
-                    array = f.get_slice(name)[rows]
-                except SafetensorError as e:
-                    raise _translate(self.path, e, name) from None
-        if self.tensors[name][0] != "BF16":
-            return np.asarray(array, dtype=dtype)
-        out, flat = np.empty(array.shape, dtype), array.reshape(-1)
-        for start in range(0, flat.size, WIDEN_CHUNK):  # each chunk's float32 stays in cache: 2x faster
-            out.reshape(-1)[start:start + WIDEN_CHUNK] = flat[start:start + WIDEN_CHUNK].astype(np.float32)  # exact
+    def get_float(self, name: str, dtype=np.float32, rows: slice | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor (or the rows `rows` of it: only they are read) widened to `dtype`, into `out`
+        (C-contiguous, of that shape and dtype) when given."""
+        stored, shape = self.tensors[name]
+        if not math.prod(shape):  # nothing to map
+            empty = np.empty(shape, dtype)[rows if rows is not None else ...]
+            return empty if out is None else out
+        try:
+            mapped = np.memmap(self.path, dtype=_STORED[stored], mode="r", offset=self._offsets[name], shape=shape)
+        except (OSError, ValueError) as e:  # the file changed since it was opened
+            raise RefengineError(f"{self.path}: cannot map tensor {name!r} ({e})") from None
+        source = mapped if rows is None else mapped[rows]
+        out = np.empty(source.shape, dtype) if out is None else out
+        flat, into, bf16 = source.reshape(-1), out.reshape(-1), stored == "BF16"
+        if flat.size < PARALLEL_VALUES:
+            _widen(flat, bf16, into, 0, flat.size)
+            return out
+        parts = _cores()
+        bounds = [flat.size * i // parts // WIDEN_CHUNK * WIDEN_CHUNK for i in range(parts)] + [flat.size]
+        for job in [_workers(os.getpid()).submit(_widen, flat, bf16, into, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+            job.result()
         return out
 
 

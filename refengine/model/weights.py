@@ -150,13 +150,29 @@ class Checkpoint:
     def stored_dtypes(self) -> list[str]:
         return sorted({f.tensors[n][0] for n, f in self.sources.items()})
 
-    def tensor(self, name: str, dtype, rows: slice | None = None) -> np.ndarray:
-        return np.ascontiguousarray(self.sources[name].get_float(name, dtype, rows))
+    def tensor(self, name: str, dtype, rows: slice | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        return self.sources[name].get_float(name, dtype, rows, out)
 
-    def layer(self, n: int, dtype) -> LayerWeights:
+    def _reused(self, reuse: dict, key: str, name: str, dtype, rows: slice | None = None) -> np.ndarray:
+        """The array `reuse` holds under `key` if it fits tensor `name` (or its `rows`), else a new one
+        kept there: a streamed pass reads each layer into the previous one's memory, since new memory
+        is paid for again in page faults on every pass."""
+        shape = self.sources[name].tensors[name][1]
+        if rows is not None:
+            shape = (len(range(*rows.indices(shape[0]))), *shape[1:])
+        held = reuse.get(key)
+        if held is None or held.shape != shape or held.dtype != dtype:
+            held = reuse[key] = np.empty(shape, dtype)
+        return held
+
+    def layer(self, n: int, dtype, reuse: dict | None = None) -> LayerWeights:
+        """Layer n in `dtype`; with `reuse` (what the previous call was given), its dense tensors are
+        read into the previous layer's arrays, whose values are then gone."""
         cfg = self.cfg
-        fields = {field: self.tensor(f"{cfg.weight_prefix}layers.{n}.{_LAYER_FIELDS[field]}", dtype)
-                  for field in _layer_shapes(cfg, n)}
+        names = {field: f"{cfg.weight_prefix}layers.{n}.{_LAYER_FIELDS[field]}" for field in _layer_shapes(cfg, n)}
+        fields = {field: self.tensor(name, dtype, out=None if reuse is None else
+                                     self._reused(reuse, field, name, dtype))
+                  for field, name in names.items()}
         if n in cfg.sparse_layers:
             fields |= read_experts(self, n, dtype)
         return LayerWeights(**fields)
@@ -194,9 +210,12 @@ class _Rows:
     def __getitem__(self, ids) -> np.ndarray:  # ids [seq] -> [seq, hidden]
         return np.stack([self.checkpoint.tensor(self.name, self.dtype, slice(i, i + 1))[0] for i in np.asarray(ids)])
 
-    def __iter__(self):
+    def __iter__(self):  # each block is read into the previous one's memory: use it before taking the next
+        reuse = {}
         for start in range(0, self.rows, HEAD_BLOCK_ROWS):
-            yield self.checkpoint.tensor(self.name, self.dtype, slice(start, min(start + HEAD_BLOCK_ROWS, self.rows)))
+            rows = slice(start, min(start + HEAD_BLOCK_ROWS, self.rows))
+            yield self.checkpoint.tensor(self.name, self.dtype, rows,
+                                         self.checkpoint._reused(reuse, "block", self.name, self.dtype, rows))
 
 
 def row_blocks(head: np.ndarray | _Rows):
@@ -215,8 +234,9 @@ class _Layers:
     def __len__(self) -> int:
         return self.checkpoint.cfg.num_layers
 
-    def __iter__(self):
-        return (self.checkpoint.layer(n, self.dtype) for n in range(len(self)))
+    def __iter__(self):  # each layer is read into the previous one's memory: use it before taking the next
+        reuse = {}
+        return (self.checkpoint.layer(n, self.dtype, reuse) for n in range(len(self)))
 
 
 @dataclass(frozen=True)
