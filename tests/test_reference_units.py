@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refengine.errors import RefengineError
 from refengine.reference import apply_rope, causal_attention, rms_norm
@@ -12,6 +14,7 @@ from refengine.sampling import (
     SamplingParams,
     greedy_token,
     log_softmax,
+    ranked_logprobs,
     top2_margin,
     top_logprobs,
 )
@@ -143,6 +146,21 @@ def test_top_logprobs_break_ties_by_lower_id():
     result = top_logprobs(logits, 3)
     assert [i for i, _ in result] == [3, 0, 2]
     np.testing.assert_allclose([lp for _, lp in result], np.log([0.5, 0.2, 0.2]), rtol=1e-14)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.sampled_from([-np.inf, -3.0, -1.0, -0.5, 0.0, np.nan, 2.0]) | st.floats(-5, 5),
+                       min_size=1, max_size=40),
+       k=st.integers(0, 45))
+def test_ranked_logprobs_rank_like_a_full_sort_by_value_then_id(values, k):
+    """Ties at the k-th place, NaNs (ranked last) and k beyond the row: the same ids and values as
+    sorting the whole row by (-value, id)."""
+    row = np.array(values)
+    expected = sorted(range(len(row)), key=lambda i: (np.isnan(row[i]), -row[i] if not np.isnan(row[i]) else 0, i))[:k]
+    own, ranked = ranked_logprobs(row, 0, k)
+    assert [i for i, _ in ranked] == expected
+    assert [v for _, v in ranked] == pytest.approx([row[i] for i in expected], nan_ok=True)
+    assert own == pytest.approx(row[0], nan_ok=True)
 
 
 def test_log_softmax_of_uniform_logits_is_minus_log_vocab():
