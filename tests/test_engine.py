@@ -225,6 +225,23 @@ def test_an_engine_reads_no_fault_from_the_environment(tiny_model, monkeypatch):
     assert LLMEngine(tiny_model, EngineConfig()).config.injected is None
 
 
+def test_without_digests_an_engine_gives_the_same_outputs_and_no_sha256(tiny_model):
+    outputs = []
+    for digest in (True, False):
+        engine = LLMEngine(tiny_model, EngineConfig(mode="invariant"), keep_logits=True, digest_logits=digest)
+        engine.add_request("a", [5, 9, 13], params=SamplingParams(max_tokens=6))
+        engine.add_request("b", [7] * 11, params=SamplingParams(max_tokens=4, logprobs=2))
+        outputs.append(engine.run())
+    with_digest, without = outputs
+    for request_id, got in without.items():
+        want = with_digest[request_id]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert [s.top_logprobs for s in got.steps] == [s.top_logprobs for s in want.steps]
+        assert all(s.logits_sha256 is None for s in got.steps)
+        assert [s.logits_sha256 for s in want.steps] == [hashlib.sha256(s.logits.tobytes()).hexdigest()
+                                                         for s in got.steps]
+
+
 def test_engines_on_one_model_share_its_packed_weights_and_nothing_else(tiny_model):
     """Packed once per model (engine/model_runner.PackedModel), while each engine keeps its own KV cache:
     two engines stepped in turn give what each gives alone."""

@@ -107,7 +107,7 @@ def start_engine(model: Model, requests: list[BenchRequest], mode: str, max_num_
     max_model_len = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     config = EngineConfig(mode=mode, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max(max_num_batched_tokens, max_model_len))
-    engine = LLMEngine(model, config)
+    engine = LLMEngine(model, config, digest_logits=False)  # a serving engine's work: nothing here reads digests
     for r in requests:
         engine.add_request(r.request_id, r.prompt_ids, params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
     return engine
