@@ -112,6 +112,7 @@ def _check_refresh_runs(reference: dict, cases) -> None:
         assert 0 < run["prefill_s"] and run["prefill_s"] + run["decode_s"] <= run["seconds"]
         assert run["decode_roofline_fraction"] == pytest.approx(
             run["decode_passes"] * reference["roofline_s_per_pass"] / run["decode_s"])
+        assert reference["goals"][f"{name} share of roofline"] == {"ratio": run["roofline_fraction"], "goal": 0.6}
     assert reference["same_tokens"] and reference["serial"]["case_tokens"] == reference["lockstep"]["case_tokens"]
     serial, lockstep = reference["serial"], reference["lockstep"]
     assert serial["passes"] == serial["tokens"]  # alone, every token is a pass over the weights
