@@ -87,6 +87,8 @@ def _translate(path: Path, error: Exception, tensor: str | None = None) -> Refen
 
 WIDEN_CHUNK = 1 << 16  # values widened per piece: a bf16 piece's float32 stays in cache
 PARALLEL_VALUES = 1 << 20  # a tensor this large is widened on every core
+_READ_ONLY = ({"flags": mmap.MAP_SHARED | mmap.MAP_POPULATE, "prot": mmap.PROT_READ}
+              if hasattr(mmap, "MAP_POPULATE") else {"access": mmap.ACCESS_READ})  # Linux; elsewhere, plain
 _STORED = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "U8": "u1"}
 
 
@@ -163,8 +165,8 @@ class SafetensorsFile:
         aligned = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
         try:
             with open(self.path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), start - aligned + math.prod(shape) * itemsize, prot=mmap.PROT_READ,
-                                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=aligned)
+                mapping = mmap.mmap(f.fileno(), start - aligned + math.prod(shape) * itemsize, offset=aligned,
+                                    **_READ_ONLY)
         except (OSError, ValueError) as e:  # the file changed since it was opened
             raise RefengineError(f"{self.path}: cannot map tensor {name!r} ({e})") from None
         return np.frombuffer(mapping, dtype=stored, count=math.prod(shape), offset=start - aligned).reshape(shape)
