@@ -87,3 +87,23 @@ def test_lockstep_answers_equal_each_prompt_alone_up_to_float64_rounding(bf16_mo
             assert _floats(b) == pytest.approx(_floats(a), rel=1e-9, abs=1e-12)
         runs.append([_floats(r) for r in together])
     assert runs[0] == runs[1]  # the same products, in memory or widened layer by layer: the same bits
+
+
+@pytest.mark.parametrize("cgroup, files, headroom", [
+    ("0::/ci/job\n", {"ci/job/memory.max": "8589934592\n", "ci/job/memory.current": "1073741824\n"}, 7 << 30),
+    ("0::/ci/job\n", {"ci/job/memory.max": "max\n", "ci/job/memory.current": "1073741824\n"}, None),
+    ("4:memory:/box\n3:cpu:/\n", {"memory/box/memory.limit_in_bytes": "2147483648\n",
+                                  "memory/box/memory.usage_in_bytes": "3221225472\n"}, 0),  # over: nothing left
+    ("4:memory:/box\n", {"memory/box/memory.limit_in_bytes": "9223372036854771712\n",
+                         "memory/box/memory.usage_in_bytes": "5\n"}, None),  # v1's "no limit"
+    ("3:cpu,cpuacct:/\n", {}, None),
+])
+def test_a_cgroup_limit_caps_the_memory_the_reference_counts_on(tmp_path, cgroup, files, headroom):
+    """A container sees the host's MemAvailable: the limit of the process's cgroup (v2 or v1, laid out
+    as the kernel mounts them) is what it may still use."""
+    (tmp_path / "self_cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    assert loader.cgroup_headroom(tmp_path / "self_cgroup", tmp_path / "fs") == headroom
+    assert loader.cgroup_headroom(tmp_path / "absent", tmp_path / "fs") is None

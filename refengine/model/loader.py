@@ -27,18 +27,47 @@ MEMORY_SHARE = 0.5
 
 def available_memory() -> int:
     """Bytes the system can hand out now without swapping: Linux's MemAvailable (free memory plus
-    the page cache it can drop), elsewhere the free pages; 0 when neither is known."""
+    the page cache it can drop), elsewhere the free pages, 0 when neither is known -- and never
+    more than this process's cgroup has left (a container sees the host's MemAvailable)."""
+    free = 0
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
     except OSError:
         pass
+    if not free:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = 0
+    headroom = cgroup_headroom()
+    return free if headroom is None else min(free, headroom)
+
+
+def cgroup_headroom(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under the memory limit of this process's cgroup (v2 memory.max - memory.current, or
+    v1 memory.limit_in_bytes - memory.usage_in_bytes, usage counting page cache: an underestimate);
+    None without a limit or where cgroups cannot be read."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, limit_name, usage_name = Path(root) / path.lstrip("/"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_name, usage_name = Path(root) / "memory" / path.lstrip("/"), "memory.limit_in_bytes", \
+                "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            limit, usage = (base / limit_name).read_text().strip(), int((base / usage_name).read_text())
+            if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as about 2**63
+                return max(int(limit) - usage, 0)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class Model:
