@@ -86,8 +86,8 @@ def token_logprobs(logits: np.ndarray, token: int | None, k: int) -> tuple[float
 def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
     """From a row of log-probabilities: `token`'s (None for no token) and the k most likely ids with
     theirs, ties broken by lower id. Only the values at or above the k-th largest can rank, so only
-    they are sorted (a full sort of a 151936-token row is 30x slower); where fewer than k values
-    qualify (NaNs partition above everything, but rank below it) the whole row is sorted."""
+    they are sorted (a partition is linear; a full-vocabulary sort per token is not); where fewer than
+    k values qualify (NaNs partition above everything, but rank below it) the whole row is sorted."""
     candidates = np.arange(len(logprobs))
     if 0 < k < len(logprobs):
         kth = np.partition(logprobs, len(logprobs) - k)[len(logprobs) - k]

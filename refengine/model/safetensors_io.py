@@ -156,10 +156,20 @@ class SafetensorsFile:
             except SafetensorError as e:
                 raise _translate(self.path, e, name) from None
 
+    def rows_shape(self, name: str, rows: slice | None = None) -> tuple[int, tuple[int, ...]]:
+        """(first row, shape) of tensor `name`, or of its contiguous `rows`."""
+        shape = self.tensors[name][1]
+        if rows is None:
+            return 0, shape
+        first, stop, step = rows.indices(shape[0])
+        if step != 1:
+            raise ValueError(f"rows: a contiguous slice, got {rows}")
+        return first, (max(stop - first, 0), *shape[1:])
+
     def _mapped(self, name: str, stored: str, first: int, shape: tuple) -> np.ndarray:
         """Rows first.. of tensor `name` (`shape`: theirs), read-only, straight from the file: mapped
-        with MAP_POPULATE where the system has it, one call faulting every page in (page by page, a
-        streamed pass spent a fifth of its widening time in faults)."""
+        with MAP_POPULATE where the system has it, one call faulting every page in rather than a fault
+        per page as the widening first touches it."""
         itemsize = np.dtype(stored).itemsize
         start = self._offsets[name] + first * math.prod(shape[1:]) * itemsize
         aligned = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
@@ -175,13 +185,8 @@ class SafetensorsFile:
                   out: np.ndarray | None = None) -> np.ndarray:
         """The tensor (or the rows `rows` of it: only they are read) widened to `dtype`, into `out`
         (C-contiguous, of that shape and dtype) when given."""
-        stored, shape = self.tensors[name]
-        first = 0
-        if rows is not None:
-            first, stop, step = rows.indices(shape[0])
-            if step != 1:
-                raise ValueError(f"rows: a contiguous slice, got {rows}")
-            shape = (max(stop - first, 0), *shape[1:])
+        stored = self.tensors[name][0]
+        first, shape = self.rows_shape(name, rows)
         if not math.prod(shape):  # nothing to map
             return np.empty(shape, dtype) if out is None else out
         source = self._mapped(name, _STORED[stored], first, shape)

@@ -157,9 +157,7 @@ class Checkpoint:
         """The array `reuse` holds under `key` if it fits tensor `name` (or its `rows`), else a new one
         kept there: a streamed pass reads each layer into the previous one's memory, since new memory
         is paid for again in page faults on every pass."""
-        shape = self.sources[name].tensors[name][1]
-        if rows is not None:
-            shape = (len(range(*rows.indices(shape[0]))), *shape[1:])
+        shape = self.sources[name].rows_shape(name, rows)[1]
         held = reuse.get(key)
         if held is None or held.shape != shape or held.dtype != dtype:
             held = reuse[key] = np.empty(shape, dtype)
