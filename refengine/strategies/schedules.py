@@ -38,6 +38,8 @@ MAX_ARRIVAL = 12
 ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
 LOGPROB_COUNTS = (0, 1, 2, 5, 20)  # alternatives per step; 20 is the server's most (OpenAI's limit)
 LOGPROBS = st.sampled_from(LOGPROB_COUNTS)
+SHAPES = st.sampled_from([True, False])  # burst first
+HEADROOM = st.integers(1, MAX_TOKENS // 2)  # tokens each burst resident generates before the pool runs out
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -72,6 +74,12 @@ def request_lists(vocab_size: int, block_size: int, token_budget: int, burst: bo
 
 
 @functools.cache
+def spare_blocks(largest: int) -> st.SearchStrategy[int]:
+    """Blocks a staggered schedule's pool holds beyond its largest request: few, or up to twice it."""
+    return st.one_of(st.integers(0, 2), st.integers(0, 2 * largest))
+
+
+@functools.cache
 def picks(values: st.SearchStrategy, max_size: int) -> st.SearchStrategy[list[tuple[int, object]]]:
     """(request, value) pairs; the request counted modulo how many there are."""
     return st.lists(st.tuples(st.integers(0, max_size - 1), values), max_size=max_size)
@@ -81,19 +89,20 @@ def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
     block_size = engine["block_size"]
     largest = max(blocks_for(len(r["prompt_ids"]) + r["max_tokens"], block_size) for r in reqs)
     if burst:
-        headroom = draw(st.integers(1, MAX_TOKENS // 2))  # tokens each resident generates before the pool runs out
+        headroom = draw(HEADROOM)
         residents = sorted(reqs, key=lambda r: r["arrival_step"])[:engine["max_num_seqs"]]
         return max(largest, sum(blocks_for(len(r["prompt_ids"]) + headroom, block_size) for r in residents))
-    return largest + draw(st.one_of(st.integers(0, 2), st.integers(0, 2 * largest)))
+    return largest + draw(spare_blocks(largest))
 
 
+@functools.cache  # the properties' flatmaps ask for it per draw
 @st.composite
 def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int = MAX_REQUESTS,
               allow_seeded: bool | None = None, allow_abort: bool = True) -> dict:
     """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
-    burst = draw(st.sampled_from([True, False]))
+    burst = draw(SHAPES)
     engine = draw(engine_settings(mode, pressure=burst))
     reqs = draw(request_lists(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
                               allow_abort and not burst, max_requests))

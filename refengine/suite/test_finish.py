@@ -31,6 +31,7 @@ pytestmark = pytest.mark.invariants
 NAME = "finish-semantics"
 DEV_EXAMPLES = 25  # the dev profile's budget, for the reachability test
 LATE_ABORT = 16  # steps after its arrival a late abort may come: mostly after the request has finished
+LATE_ABORTS = st.one_of(st.none(), st.integers(1, LATE_ABORT))
 
 
 @st.composite
@@ -40,7 +41,7 @@ def finish_schedules(draw) -> dict:
     after it finished but before the run ends, the finished-but-not-released window."""
     schedule = draw(any_mode_schedules)
     for request in schedule["requests"]:
-        delay = draw(st.one_of(st.none(), st.integers(1, LATE_ABORT)), label=f"late abort of {request['id']}")
+        delay = draw(LATE_ABORTS, label=f"late abort of {request['id']}")
         if delay is not None and "abort_step" not in request:
             request["abort_step"] = request["arrival_step"] + delay
     return schedule

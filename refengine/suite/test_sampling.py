@@ -58,9 +58,9 @@ def _all_seeded(example) -> dict:
 
 
 # Join/leave schedules of either kernel mode in which every request samples with a seed.
-sampled_schedules = st.sampled_from(MODES).flatmap(lambda mode: st.tuples(
-    schedules(VOCAB_SIZE, mode, allow_seeded=True),
-    st.lists(seeded, min_size=MAX_REQUESTS, max_size=MAX_REQUESTS))).map(_all_seeded)
+SAMPLED = {mode: st.tuples(schedules(VOCAB_SIZE, mode, allow_seeded=True),
+                           st.lists(seeded, min_size=MAX_REQUESTS, max_size=MAX_REQUESTS)) for mode in MODES}
+sampled_schedules = st.sampled_from(MODES).flatmap(SAMPLED.get).map(_all_seeded)
 
 
 def noise_bound(model) -> float:
