@@ -75,7 +75,16 @@ from tqdm import tqdm
 
 from .. import blas, reference
 from ..data import shipped
-from ..engine import jit, kernels, model_runner, moe, packed, paged_attention
+from ..engine import (
+    exp,
+    fused,
+    jit,
+    kernels,
+    model_runner,
+    moe,
+    packed,
+    paged_attention,
+)
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
@@ -285,7 +294,7 @@ def numerics_digest() -> str:
     kernels (engine/jit.py: its version and the CPU features it compiles for): a bound cached under
     another digest was measured on other kernels, and may be too loose or too tight for these."""
     digest = hashlib.sha256()
-    for module in (kernels, model_runner, moe, packed, paged_attention, jit, reference):
+    for module in (kernels, exp, fused, model_runner, moe, packed, paged_attention, jit, reference):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(json.dumps(blas.blas_numerics(), sort_keys=True).encode())
     digest.update(json.dumps(jit.compiler_identity(), sort_keys=True).encode())

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 
 class BlockTable:
     """The block ids holding one sequence's KV, in position order."""
@@ -70,11 +68,10 @@ class BlockManager:
         table.block_ids.clear()
         self.tables.pop(table.owner, None)
 
-    def slot_mapping(self, table: BlockTable, start: int, end: int) -> np.ndarray:
+    def slot_mapping(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Cache slots of positions start..end-1."""
-        positions = np.arange(start, end)
-        blocks = np.asarray(table.block_ids, dtype=np.int64)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        size, blocks = self.block_size, table.block_ids
+        return [blocks[p // size] * size + p % size for p in range(start, end)]
 
     def check_invariants(self, finished_tables: list[BlockTable] = ()) -> None:
         """Raise AssertionError unless: free + used == total; each block's refcount equals the number

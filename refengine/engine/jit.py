@@ -1,10 +1,14 @@
-"""How the engine's compiled kernels (packed.py, paged_attention.py, kernels.py) are compiled: numba,
-for this CPU, with IEEE arithmetic exactly as written -- no fastmath flag, so no sum is reordered and
-no multiply and add are fused behind the code's back. Where a kernel wants an fma it says `fma(a, b,
-c)`, one rounding, on every path. (Left to the compiler, fusion depends on the context a function is
-inlined into: a product it can prove used twice stays unfused there, and that row gets other bits.)
-Compiled code is cached on disk (numba's cache: beside the package, or in the user's cache
-directory where that is read-only), so only the first process on a machine compiles.
+"""How the engine's compiled kernels (packed.py, paged_attention.py, kernels.py, exp.py, fused.py) are
+compiled: numba, for this CPU, with IEEE arithmetic exactly as written -- no fastmath flag, so no sum
+is reordered and no multiply and add are fused behind the code's back. Where a kernel wants an fma
+it says `fma(a, b, c)`, one rounding, on every path. (Left to the compiler, fusion depends on the
+context a function is inlined into: a product it can prove used twice stays unfused there, and that
+row gets other bits.)
+Compiled code is cached on disk, so only the first process on a machine compiles: in numba's cache,
+under a folder named by a digest of this package's sources (cache_folder). numba checks a cached
+function against its own file only, and kernels call kernels of other files (fused.py calls them
+all, every kernel calls exp.py): left to numba, editing exp.py would leave the old exp inside every
+cached caller. A new digest is a fresh cache.
 
 LLVM's tuning for recent Intel cores prefers 256-bit vectors even where the CPU has 512-bit ones.
 The packed product is compute-bound from about 16 rows, where wider vectors do twice the work per
@@ -13,11 +17,29 @@ without that preference.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import numba
 from numba import types
 from numba.core import config
 from numba.extending import intrinsic
 
+from ..model.cache import cache_dir
+
+
+def cache_folder() -> str:
+    """Where numba caches the kernels: NUMBA_CACHE_DIR (default: refengine's cache, `numba/`), then a
+    digest of every source file of this package, so that no cached kernel outlives an edit of a
+    kernel it calls."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return os.path.join(config.CACHE_DIR or cache_dir() / "numba", digest.hexdigest()[:16])
+
+
+config.CACHE_DIR = cache_folder()  # before any kernel is decorated: numba picks the folder then
 if config.CPU_FEATURES is None:
     import llvmlite.binding as llvm
 

@@ -8,11 +8,11 @@ attention are compiled too (packed.py, paged_attention.py).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .exp import exp32
 from .faults import Fault
 from .jit import jit
 
@@ -60,7 +60,7 @@ def _silu_mul(gate_up, out):
         for i in range(width):
             gate = gate_up[r, i]
             # exp(-gate) overflows to inf for very negative gates, and gate / inf = -0 is right
-            out[r, i] = gate / (np.float32(1) + np.float32(math.exp(-gate))) * gate_up[r, width + i]
+            out[r, i] = gate / (np.float32(1) + exp32(-gate)) * gate_up[r, width + i]
 
 
 @functools.cache  # read-only tables, shared by every engine with the same three numbers

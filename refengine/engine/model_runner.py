@@ -16,10 +16,13 @@ from typing import Callable
 import numpy as np
 
 from ..model import Model
+from ..model.weights import LayerWeights
+from . import fused as fused_layers
 from . import numerics, packed, paged_attention
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .faults import Fault
+from .fused import StackedLayers
 from .kernels import apply_rope, attention, rms_norm, rope_tables, silu_mul
 from .moe import MoeWeights, moe_mlp, moe_weights
 from .packed import PackedWeight, pack
@@ -63,6 +66,7 @@ class PackedModel:
     norm: np.ndarray
     lm_head: PackedWeight
     embed: Callable                # token ids -> rows [n, hidden]
+    stacked: StackedLayers | None  # a small dense model's layers for engine/fused.py, else None
 
     @staticmethod
     def of(model: Model) -> PackedModel:
@@ -74,18 +78,37 @@ class PackedModel:
     @staticmethod
     def _pack(model: Model) -> PackedModel:
         weights, cfg = model.weights(np.float32), model.config
-        layers = [RunnerLayer(
-            input_norm=w.input_norm, qkv=pack(_concat(w.q_proj, w.k_proj, w.v_proj)),
-            qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias),
-            q_norm=w.q_norm, k_norm=w.k_norm, o_proj=pack(w.o_proj), o_bias=w.o_bias, post_norm=w.post_norm,
-            gate_up=None if w.router is not None else pack(_concat(w.gate_proj, w.up_proj)),
-            gate_up_bias=_concat(w.gate_bias, w.up_bias),
-            down=None if w.router is not None else pack(w.down_proj), down_bias=w.down_bias,
-            moe=None if w.router is None else moe_weights(w, cfg)) for w in weights.layers]
+        stacked = fused_layers.stack([_concatenated(w) for w in weights.layers]) \
+            if fused_layers.stackable(weights.layers) else None
+        layers = []
+        for i, w in enumerate(weights.layers):
+            f = _concatenated(w)  # a layer at a time: no second copy of a large model's weights
+            if stacked is not None:  # the layer's products are views of the stacked weights
+                qkv, o_proj, gate_up, down = (PackedWeight(getattr(stacked, name)[i], len(f[name]))
+                                              for name in ("qkv", "o_proj", "gate_up", "down"))
+            else:
+                qkv, o_proj = pack(f["qkv"]), pack(f["o_proj"])
+                gate_up, down = (None, None) if w.router is not None else (pack(f["gate_up"]), pack(f["down"]))
+            layers.append(RunnerLayer(
+                input_norm=w.input_norm, qkv=qkv, qkv_bias=f["qkv_bias"], q_norm=w.q_norm, k_norm=w.k_norm,
+                o_proj=o_proj, o_bias=w.o_bias, post_norm=w.post_norm, gate_up=gate_up,
+                gate_up_bias=f["gate_up_bias"], down=down, down_bias=w.down_bias,
+                moe=None if w.router is None else moe_weights(w, cfg)))
         lm_head = pack(weights.lm_head)
         # A tied embedding is looked up in the packed head: one copy of the largest matrix, not two.
         embed = lm_head.rows if weights.lm_head is weights.embed else _lookup(np.array(weights.embed))
-        return PackedModel(layers, weights.norm, lm_head, embed)
+        return PackedModel(layers, weights.norm, lm_head, embed, stacked)
+
+
+def _concatenated(w: LayerWeights) -> dict:
+    """A layer's weights as the runner multiplies them: q/k/v and gate/up concatenated ([out, in], None
+    where absent: an MoE layer's gate_up and down)."""
+    dense = w.router is None
+    return dict(input_norm=w.input_norm, qkv=_concat(w.q_proj, w.k_proj, w.v_proj),
+                qkv_bias=_concat(w.q_bias, w.k_bias, w.v_bias), q_norm=w.q_norm, k_norm=w.k_norm,
+                o_proj=w.o_proj, o_bias=w.o_bias, post_norm=w.post_norm,
+                gate_up=_concat(w.gate_proj, w.up_proj) if dense else None,
+                gate_up_bias=_concat(w.gate_bias, w.up_bias), down=w.down_proj, down_bias=w.down_bias)
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -113,6 +136,7 @@ class ModelRunner:
             numerics.require_invariant_kernels()
         weights = PackedModel.of(model)
         self.layers, self.norm, self.lm_head, self.embed = weights.layers, weights.norm, weights.lm_head, weights.embed
+        self.stacked = weights.stacked
         # Fast mode attends a prefill chunk's queries in one masked product (kernels.attend_fast), as
         # serving engines' prefill kernels do: a row's bits then depend on how its prompt was chunked.
         self.flatten, self.attend_chunk = attention(self.invariant, config.injected)
@@ -139,19 +163,43 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> np.ndarray:
         """Run one forward over `chunks`; returns float32 logits [num sampling chunks, vocab]."""
         cfg = self.cfg
-        ids = np.concatenate([np.asarray(c.seq.token_ids[c.start:c.end], dtype=np.int64) for c in chunks])
-        joined = [self.shift_on_join and i > 0 and c.start == 0 for i, c in enumerate(chunks)]
-        positions = np.concatenate([np.arange(c.start, c.end) + shift for c, shift in zip(chunks, joined)])
-        slots = np.concatenate([block_manager.slot_mapping(c.seq.block_table, c.start, c.end) for c in chunks])
+        # Python lists, one array each at the end: a decode step has one token per chunk, and a numpy
+        # call per chunk cost more than the tiny models' whole forward.
+        ids, positions, slots, offsets = [], [], [], [0]
+        for i, c in enumerate(chunks):
+            shift = int(self.shift_on_join and i > 0 and c.start == 0)
+            ids += c.seq.token_ids[c.start:c.end]
+            positions += range(c.start + shift, c.end + shift)
+            slots += block_manager.slot_mapping(c.seq.block_table, c.start, c.end)
+            offsets.append(offsets[-1] + c.num_tokens)
+        ids, positions, slots = (np.array(v, dtype=np.int64) for v in (ids, positions, slots))
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
-        offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
         plan = self._plan_attention(chunks, offsets)
         cos, sin = self.cos[positions], self.sin[positions]
         scale = 1.0 / np.sqrt(cfg.head_dim)
-        num_tokens, q_size, kv_size = len(ids), cfg.q_size, cfg.kv_size
 
         x = self.embed(ids)                                                       # [tokens, hidden]
+        # One compiled call for every layer where fused.py may run: every row paged, no threaded attention
+        if self.stacked is not None and plan.paged_rows is None and \
+                int(plan.row_keys.sum()) * cfg.num_heads * cfg.head_dim < paged_attention.THREADED_WORK:
+            x = fused_layers.run_layers(x, self.stacked, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                                        cfg.rms_norm_eps, cos, sin, self.k_cache, self.v_cache, slots, plan.tables,
+                                        plan.row_seq, plan.row_keys, scale, self.flatten)
+        else:
+            x = self._layers(x, cos, sin, slots, plan, scale)
+
+        sampling_rows = [self._sampling_row(chunks, i, hi) for i, (chunk, hi) in enumerate(zip(chunks, offsets[1:]))
+                         if chunk.samples]
+        if not sampling_rows:
+            return np.empty((0, cfg.vocab_size), dtype=np.float32)
+        final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
+        return packed.matmul(final, self.lm_head)
+
+    def _layers(self, x, cos, sin, slots, plan: AttentionPlan, scale: float) -> np.ndarray:
+        """x [tokens, hidden] through every layer, a call per operation (engine/fused.py: all in one)."""
+        cfg = self.cfg
+        num_tokens, q_size, kv_size = x.shape[0], cfg.q_size, cfg.kv_size
         for layer, w in enumerate(self.layers):
             qkv = self._project(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
             q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -169,29 +217,27 @@ class ModelRunner:
                 continue
             gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
             x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
+        return x
 
-        sampling_rows = [self._sampling_row(chunks, i, hi) for i, (chunk, hi) in enumerate(zip(chunks, offsets[1:]))
-                         if chunk.samples]
-        if not sampling_rows:
-            return np.empty((0, cfg.vocab_size), dtype=np.float32)
-        final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
-        return packed.matmul(final, self.lm_head)
-
-    def _plan_attention(self, chunks: list[ScheduledChunk], offsets) -> AttentionPlan:
-        tables = np.zeros((len(chunks), max(len(c.seq.block_table.block_ids) for c in chunks)), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.seq.block_table.block_ids)] = c.seq.block_table.block_ids
+    def _plan_attention(self, chunks: list[ScheduledChunk], offsets: list[int]) -> AttentionPlan:
+        width = max(len(c.seq.block_table.block_ids) for c in chunks)
+        tables = np.array([c.seq.block_table.block_ids + [0] * (width - len(c.seq.block_table.block_ids))
+                           for c in chunks], dtype=np.int64)
         spans = [self._attended_span(chunks, i) for i in range(len(chunks))]
-        # Row r of chunk i sits at position past_i + (r - lo_i) and sees that many keys and its own.
-        row_seq = np.repeat(np.arange(len(chunks)), np.diff(offsets))
-        row_keys = np.concatenate([np.arange(past, past + c.num_tokens) + 1 for c, (past, _) in zip(chunks, spans)])
-        whole = [] if self.attend_chunk is None else [
-            (i, lo, hi, *spans[i]) for i, (c, lo, hi) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))
-            if c.num_tokens > 1]
-        paged = np.ones(len(row_seq), dtype=bool)
-        for _, lo, hi, _, _ in whole:
-            paged[lo:hi] = False
-        return AttentionPlan(tables, row_seq, row_keys, whole, None if paged.all() else np.flatnonzero(paged))
+        row_seq, row_keys, whole = [], [], []
+        for i, (c, (past, end)) in enumerate(zip(chunks, spans)):
+            row_seq += [i] * c.num_tokens
+            row_keys += range(past + 1, past + c.num_tokens + 1)  # row r sits at position past + r, sees its own key
+            if self.attend_chunk is not None and c.num_tokens > 1:
+                whole.append((i, offsets[i], offsets[i + 1], past, end))
+        paged = None
+        if whole:
+            keep = np.ones(len(row_seq), dtype=bool)
+            for _, lo, hi, _, _ in whole:
+                keep[lo:hi] = False
+            paged = np.flatnonzero(keep)
+        return AttentionPlan(tables, np.array(row_seq, dtype=np.int64), np.array(row_keys, dtype=np.int64), whole,
+                             paged)
 
     def _attend(self, layer: int, q, plan: AttentionPlan, scale: float) -> np.ndarray:
         """The step's attention in one layer, q [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""

@@ -16,15 +16,15 @@ tests/test_paged_attention.py checks this.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import prange
 
+from .exp import exp32
 from .jit import fma, jit
 
 # Below this many score multiply-adds a call runs on the calling thread (packed.THREADED_BYTES says why).
 THREADED_WORK = 1 << 18
+SMALL_BLOCK = 8  # below this block size a vector over a block's positions is mostly empty lanes
 
 
 def write(k_cache, v_cache, slots, k, v) -> None:
@@ -68,7 +68,9 @@ def attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten=1.0) -
 def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item):
     """Query row item // kv_heads, the heads of kv head item % kv_heads: the sums of the module docstring.
     A score's chain over head_dim runs as four interleaved partial sums (d mod 4), added in one fixed
-    order at the end: the same for every score, and independent chains keep the fma units busy."""
+    order at the end: the same for every score, and independent chains keep the fma units busy.
+    Blocks of SMALL_BLOCK positions or more are scored a block at a time (a vector over its
+    positions); smaller ones a key at a time, in the same chains."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     row, kv_head = item // num_kv_heads, item % num_kv_heads
@@ -76,53 +78,86 @@ def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, 
     table = tables[row_seq[row]]
     num_blocks = (keys + block_size - 1) // block_size
     scores = np.zeros((group, num_blocks * block_size), dtype=np.float32)
-    part = np.zeros((4, block_size), dtype=np.float32)
     whole_dims = head_dim - head_dim % 4
-    for b in range(num_blocks):
-        block = table[b]
-        for g in range(group):
-            h = kv_head * group + g
-            part[:] = 0
-            for d in range(0, whole_dims, 4):
-                q0, q1, q2, q3 = q[row, h, d], q[row, h, d + 1], q[row, h, d + 2], q[row, h, d + 3]
+    if block_size >= SMALL_BLOCK:
+        part = np.zeros((4, block_size), dtype=np.float32)
+        for b in range(num_blocks):
+            block = table[b]
+            for g in range(group):
+                h = kv_head * group + g
+                part[:] = 0
+                for d in range(0, whole_dims, 4):
+                    q0, q1, q2, q3 = q[row, h, d], q[row, h, d + 1], q[row, h, d + 2], q[row, h, d + 3]
+                    for p in range(block_size):
+                        part[0, p] = fma(q0, k_cache[block, kv_head, d, p], part[0, p])
+                        part[1, p] = fma(q1, k_cache[block, kv_head, d + 1, p], part[1, p])
+                        part[2, p] = fma(q2, k_cache[block, kv_head, d + 2, p], part[2, p])
+                        part[3, p] = fma(q3, k_cache[block, kv_head, d + 3, p], part[3, p])
+                for d in range(whole_dims, head_dim):
+                    for p in range(block_size):
+                        part[0, p] = fma(q[row, h, d], k_cache[block, kv_head, d, p], part[0, p])
                 for p in range(block_size):
-                    part[0, p] = fma(q0, k_cache[block, kv_head, d, p], part[0, p])
-                    part[1, p] = fma(q1, k_cache[block, kv_head, d + 1, p], part[1, p])
-                    part[2, p] = fma(q2, k_cache[block, kv_head, d + 2, p], part[2, p])
-                    part[3, p] = fma(q3, k_cache[block, kv_head, d + 3, p], part[3, p])
-            for d in range(whole_dims, head_dim):
-                for p in range(block_size):
-                    part[0, p] = fma(q[row, h, d], k_cache[block, kv_head, d, p], part[0, p])
-            for p in range(block_size):
-                scores[g, b * block_size + p] = ((part[0, p] + part[1, p]) + (part[2, p] + part[3, p])) * scale
+                    scores[g, b * block_size + p] = ((part[0, p] + part[1, p]) + (part[2, p] + part[3, p])) * scale
+    else:
+        for t in range(keys):
+            block, p = table[t // block_size], t % block_size
+            for g in range(group):
+                h = kv_head * group + g
+                s0 = s1 = s2 = s3 = np.float32(0)
+                for d in range(0, whole_dims, 4):
+                    s0 = fma(q[row, h, d], k_cache[block, kv_head, d, p], s0)
+                    s1 = fma(q[row, h, d + 1], k_cache[block, kv_head, d + 1, p], s1)
+                    s2 = fma(q[row, h, d + 2], k_cache[block, kv_head, d + 2, p], s2)
+                    s3 = fma(q[row, h, d + 3], k_cache[block, kv_head, d + 3, p], s3)
+                for d in range(whole_dims, head_dim):
+                    s0 = fma(q[row, h, d], k_cache[block, kv_head, d, p], s0)
+                scores[g, t] = ((s0 + s1) + (s2 + s3)) * scale
     totals = np.zeros(group, dtype=np.float32)
     for g in range(group):
         top = scores[g, 0]
         for p in range(keys):
             top = max(top, scores[g, p])
+        for p in range(keys):  # apart from the sum below, so that this loop runs vectorized
+            scores[g, p] = exp32((scores[g, p] - top) * flatten)
         for p in range(keys):
-            e = np.float32(math.exp((scores[g, p] - top) * flatten))
-            scores[g, p] = e
-            totals[g] += e
+            totals[g] += scores[g, p]
     # The output's sum over positions, in position order; four value rows per load and store of the
     # accumulator, which does not change the order.
     acc = np.zeros((group, head_dim), dtype=np.float32)
-    for b in range(num_blocks):
-        block, base = table[b], b * block_size
-        n = min(block_size, keys - base)
-        whole = n - n % 4
-        for g in range(group):
-            for o in range(0, whole, 4):
-                e0, e1 = scores[g, base + o], scores[g, base + o + 1]
-                e2, e3 = scores[g, base + o + 2], scores[g, base + o + 3]
-                v0, v1, v2, v3 = (v_cache[block, kv_head, o], v_cache[block, kv_head, o + 1],
-                                  v_cache[block, kv_head, o + 2], v_cache[block, kv_head, o + 3])
+    if block_size >= SMALL_BLOCK:
+        for b in range(num_blocks):
+            block, base = table[b], b * block_size
+            n = min(block_size, keys - base)
+            whole = n - n % 4
+            for g in range(group):
+                for o in range(0, whole, 4):
+                    e0, e1 = scores[g, base + o], scores[g, base + o + 1]
+                    e2, e3 = scores[g, base + o + 2], scores[g, base + o + 3]
+                    v0, v1, v2, v3 = (v_cache[block, kv_head, o], v_cache[block, kv_head, o + 1],
+                                      v_cache[block, kv_head, o + 2], v_cache[block, kv_head, o + 3])
+                    for d in range(head_dim):
+                        acc[g, d] = fma(e3, v3[d], fma(e2, v2[d], fma(e1, v1[d], fma(e0, v0[d], acc[g, d]))))
+                for o in range(whole, n):
+                    e = scores[g, base + o]
+                    for d in range(head_dim):
+                        acc[g, d] = fma(e, v_cache[block, kv_head, o, d], acc[g, d])
+    else:  # the same chain, four positions at a time across blocks
+        whole = keys - keys % 4
+        for t in range(0, whole, 4):
+            v0 = v_cache[table[t // block_size], kv_head, t % block_size]
+            v1 = v_cache[table[(t + 1) // block_size], kv_head, (t + 1) % block_size]
+            v2 = v_cache[table[(t + 2) // block_size], kv_head, (t + 2) % block_size]
+            v3 = v_cache[table[(t + 3) // block_size], kv_head, (t + 3) % block_size]
+            for g in range(group):
+                e0, e1, e2, e3 = scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3]
                 for d in range(head_dim):
                     acc[g, d] = fma(e3, v3[d], fma(e2, v2[d], fma(e1, v1[d], fma(e0, v0[d], acc[g, d]))))
-            for o in range(whole, n):
-                e = scores[g, base + o]
+        for t in range(whole, keys):
+            v = v_cache[table[t // block_size], kv_head, t % block_size]
+            for g in range(group):
+                e = scores[g, t]
                 for d in range(head_dim):
-                    acc[g, d] = fma(e, v_cache[block, kv_head, o, d], acc[g, d])
+                    acc[g, d] = fma(e, v[d], acc[g, d])
     for g in range(group):
         for d in range(head_dim):
             out[row, kv_head * group + g, d] = acc[g, d] / totals[g]
