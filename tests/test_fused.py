@@ -6,6 +6,8 @@ every sampled logits row must be identical. The tiny models cover grouped, multi
 attention, q/k norms or none, qkv biases (qwen2), tied and untied heads and a one-layer model; fast
 mode mixes fused decode steps with layer-by-layer prefill steps in the same run.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,7 +22,7 @@ DENSE = [name for name, spec in TINY_CONFIGS.items() if not spec.experts]
 prompts = st.lists(st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40), min_size=1, max_size=6)
 
 
-def _rows(model, mode, batch, seats, budget, use_fused, spy=None):
+def _rows(model, mode, batch, seats, budget, use_fused):
     engine = LLMEngine(model, EngineConfig(mode=mode, max_num_seqs=seats, max_num_batched_tokens=budget))
     if not use_fused:
         engine.runner.stacked = None
@@ -55,9 +57,10 @@ def test_the_fused_path_is_taken_and_only_where_it_may_be(monkeypatch):
     assert model_runner.PackedModel.of(tiny_model("qwen3moe-e4k2")).stacked is None
 
 
-def test_a_product_above_the_threaded_size_is_not_stacked():
+def test_only_small_alike_layers_are_stacked():
     """Where a product would run threaded the layer-by-layer path stays (a cached compiled caller of
-    a parallel kernel is loaded broken, jit.py)."""
+    a parallel kernel is loaded broken, jit.py), and so it does where layers differ in which biases
+    they have."""
     def layer(hidden, intermediate):
         z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
         return LayerWeights(z(hidden), z(hidden, hidden), z(hidden // 2, hidden), z(hidden // 2, hidden),
@@ -66,3 +69,5 @@ def test_a_product_above_the_threaded_size_is_not_stacked():
     small, large = layer(64, 128), layer(256, 1024)  # gate_up of the large: 2048 x 256 float32 = 2 MiB
     assert 2 * 1024 * 256 * 4 > packed.THREADED_BYTES >= 2 * 128 * 64 * 4
     assert fused.stackable([small, small]) and not fused.stackable([small, large])
+    biased = dataclasses.replace(small, o_bias=np.zeros(64, dtype=np.float32))
+    assert fused.stackable([biased, biased]) and not fused.stackable([small, biased])  # stacked arrays need alike layers

@@ -49,15 +49,19 @@ class StackedLayers:
     widths: np.ndarray         # int64 [q_size + 2 * kv_size, hidden, 2 * intermediate]: unpadded outputs
 
 
+OPTIONAL = ("q_bias", "o_bias", "gate_bias", "down_bias", "q_norm")  # present in every layer or in none
+
+
 def stackable(layers: list[LayerWeights]) -> bool:
-    """Whether the layers are dense and every product is small enough to run on the calling thread
-    (module docstring)."""
+    """Whether the layers are dense, alike (each optional tensor in all of them or in none) and every
+    product is small enough to run on the calling thread (module docstring)."""
     def packed_bytes(*parts):  # the PackedWeight of these [out, in] weights concatenated
         return -(-sum(p.shape[0] for p in parts) // BLOCK) * BLOCK * parts[0].shape[1] * 4
 
-    return all(w.router is None and max(packed_bytes(w.q_proj, w.k_proj, w.v_proj), packed_bytes(w.o_proj),
-                                        packed_bytes(w.gate_proj, w.up_proj), packed_bytes(w.down_proj))
-               <= THREADED_BYTES for w in layers)
+    alike = len({tuple(getattr(w, name) is None for name in OPTIONAL) for w in layers}) == 1
+    return alike and all(w.router is None and max(
+        packed_bytes(w.q_proj, w.k_proj, w.v_proj), packed_bytes(w.o_proj), packed_bytes(w.gate_proj, w.up_proj),
+        packed_bytes(w.down_proj)) <= THREADED_BYTES for w in layers)
 
 
 def stack(layers: list[dict]) -> StackedLayers:
