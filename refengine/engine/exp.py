@@ -1,10 +1,10 @@
 """exp for the compiled float32 kernels (SwiGLU's sigmoid, attention's softmax), in a form LLVM
 vectorizes.
 
-numba turns math.exp into a call to the C library's expf, one value at a time: about 6 ns a value
-here, which at a batch of 32 on the 0.6B shape was ~20 ms of a step in SwiGLU alone and a fifth of
-a tiny model's prefill. This one is branch-free arithmetic, so a loop calling it runs 8 values per
-instruction, computed in float64 and rounded to float32 once:
+numba turns math.exp into a call to the C library's expf, one value at a time, which no loop can
+vectorize: SwiGLU and the softmax spent most of their time in those calls (README, Performance).
+This one is branch-free arithmetic, so a loop calling it runs 8 values per instruction, computed in
+float64 and rounded to float32 once:
 
     exp(x) = 2^n * exp(r),  n = round(x / ln 2),  r = x - n ln 2,  |r| <= ln(2) / 2
 

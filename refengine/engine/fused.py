@@ -1,14 +1,13 @@
 """Every decoder layer of a small dense model in one compiled call per step.
 
-On the suite's tiny models a step's arithmetic takes a few microseconds, while each of the ~16
-calls a layer makes from Python (norms, products, rotary, cache write, attention, SwiGLU, residual
-adds) costs several: the step was mostly call overhead, and the suite runs thousands of steps. Here
-one compiled function walks the layers and calls the same compiled kernels the layer-by-layer path
-calls (packed._product, kernels._rms_norm_rows / _rope / _silu_mul, paged_attention._write /
-_attend), in the same order, on the same float32 values, with the same float32 bias and residual
-adds. So each row gets the bits the layer-by-layer path gives it (tests/test_fused.py holds the two
-equal on every tiny model shape, in both modes), and whatever made a kernel batch-invariant there
-makes it so here.
+On the suite's tiny models each of the calls a layer makes from Python (norms, products, rotary,
+cache write, attention, SwiGLU, residual adds) costs more than its arithmetic: a step was mostly
+call overhead, and the suite runs thousands of steps. Here one compiled function walks the layers
+and calls the same compiled kernels the layer-by-layer path calls (packed._product,
+kernels._rms_norm_rows / _rope / _silu_mul, paged_attention._write / _attend), in the same order, on
+the same float32 values, with the same float32 bias and residual adds. So each row gets the bits
+the layer-by-layer path gives it (tests/test_fused.py holds the two equal on every dense tiny
+model, in both modes), and whatever made a kernel batch-invariant there makes it so here.
 
 Only the serial kernels are called: a cached compiled caller of a parallel kernel is loaded broken
 (jit.py). That is why this path is taken only where the layer-by-layer path would run on the
