@@ -78,11 +78,13 @@ class PackedModel:
     @staticmethod
     def _pack(model: Model) -> PackedModel:
         weights, cfg = model.weights(np.float32), model.config
-        stacked = fused_layers.stack([_concatenated(w) for w in weights.layers]) \
-            if fused_layers.stackable(weights.layers) else None
+        # A small model's layers are concatenated all at once and stacked; a large one's a layer at a
+        # time, so that its weights are never held twice.
+        small = [_concatenated(w) for w in weights.layers] if fused_layers.stackable(weights.layers) else None
+        stacked = fused_layers.stack(small) if small else None
         layers = []
         for i, w in enumerate(weights.layers):
-            f = _concatenated(w)  # a layer at a time: no second copy of a large model's weights
+            f = small[i] if small else _concatenated(w)
             if stacked is not None:  # the layer's products are views of the stacked weights
                 qkv, o_proj, gate_up, down = (PackedWeight(getattr(stacked, name)[i], len(f[name]))
                                               for name in ("qkv", "o_proj", "gate_up", "down"))
