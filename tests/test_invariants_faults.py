@@ -138,3 +138,21 @@ def test_state_machine_finds_kv_faults(fault, tmp_path, monkeypatch):
     FaultyEngine.fault = fault
     with pytest.raises(PropertyFailure, match="KV accounting"):
         run_state_machine_as_test(FaultyEngine, settings=settings(dev_profile(), phases=[Phase.generate]))
+
+
+def test_a_request_after_an_early_engine_failure_is_skipped_not_an_error(tmp_path, monkeypatch):
+    """The driver stops at the first engine failure (here a leaked block, after the abort at step 1),
+    so a request due at step 6 never arrives: the properties report the failure, and skip that
+    request instead of asking the engine for an output it never had."""
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+    schedule = {"engine": {"mode": "invariant", "max_num_seqs": 2, "max_num_batched_tokens": 64, "block_size": 4,
+                           "num_blocks": 16, "max_model_len": 128},
+                "requests": [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 4, "arrival_step": 0, "abort_step": 1},
+                             {"id": "b", "prompt_ids": [4, 5], "max_tokens": 2, "arrival_step": 6}]}
+    model = "qwen3-gqa2-tied"
+    with pytest.raises(PropertyFailure, match="engine failure: after step 1: a: finished but still holds blocks"):
+        check("invariant-mode-is-exact", model, schedule, fault="abort-leaks-blocks")
+    with pytest.raises(PropertyFailure, match="engine failure: after step 1: a: finished but still holds blocks"):
+        check_finish("finish-semantics", model, schedule, fault="abort-leaks-blocks")
+    replayed = json.loads((tmp_path / "invariant-mode-is-exact.json").read_text())
+    assert [r["id"] for r in replayed["requests"]] == ["a", "b"]

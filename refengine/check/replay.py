@@ -140,6 +140,9 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
         if against == "reference" and not request.params.greedy:
             verdicts[request.id] = Verdict(request.id, "skipped", reason="seeded sampling has no float64 baseline")
             continue
+        if request.id not in outputs:  # the run stopped at the engine failure before it arrived
+            verdicts[request.id] = Verdict(request.id, "skipped", reason="never ran: the engine failed before its arrival")
+            continue
         want = {"serial": lambda: baselines.alone(model, config, request),
                 "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
                 "budget": lambda: wanted[request.id]}[against]()

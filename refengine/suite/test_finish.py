@@ -103,10 +103,11 @@ def check_finish(name: str, model_name: str, schedule: dict, fault: str | None =
                                   keep_logits=False, on_events=collect)
     observe(schedule, engine.trace)
     problems = [f"engine failure: {failure}"] if failure else []
+    outputs = engine.outputs()
     for request in parsed.requests:
-        out = engine.output(request.id)
-        if failure and out.finish_reason is None:
-            continue  # the driver stopped the run at the failure: this one never got to finish
+        out = outputs.get(request.id)
+        if failure and (out is None or out.finish_reason is None):
+            continue  # the driver stopped the run at the failure: this one never arrived, or never finished
         problems += finish_problems(request, out, streamed[request.id])
     if late_aborts(parsed, streamed, engine.num_steps) and currently_in_test_context():
         event("abort after finish")
