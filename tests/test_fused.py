@@ -43,17 +43,22 @@ def test_fused_layers_give_the_layer_by_layer_bits(name, batch, mode, seats, bud
 
 
 def test_the_fused_path_is_taken_and_only_where_it_may_be(monkeypatch):
-    """Invariant-mode steps of a tiny model go through run_layers; a fast-mode prefill chunk of
-    several tokens (attend_fast) does not; an MoE model is never stacked."""
+    """Invariant-mode steps of a tiny model go through fused.forward; a fast-mode prefill chunk of
+    several tokens (attend_fast) does not, its layers go in halves around it; an MoE model is never
+    stacked."""
     calls = []
-    real = fused.run_layers
-    monkeypatch.setattr(fused, "run_layers", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
+    real = fused.forward
+    monkeypatch.setattr(fused, "forward", lambda ids, *rest: calls.append(ids.shape[0]) or real(ids, *rest))
     model = tiny_model()
     _rows(model, "invariant", [[1, 2, 3, 4, 5]], 1, 64, True)
     assert calls[0] == 5 and len(calls) == 6  # the prefill and every decode step
     calls.clear()
+    halves = []
+    after = fused.after_attention
+    monkeypatch.setattr(fused, "after_attention", lambda x, *rest: halves.append(x.shape[0]) or after(x, *rest))
     _rows(model, "fast", [[1, 2, 3, 4, 5]], 1, 64, True)
     assert calls == [1] * 5  # decode steps only
+    assert halves == [5] * model.config.num_layers  # the prefill: each layer in two calls around attend_fast
     assert model_runner.PackedModel.of(tiny_model("qwen3moe-e4k2")).stacked is None
 
 
@@ -71,3 +76,23 @@ def test_only_small_alike_layers_are_stacked():
     assert fused.stackable([small, small]) and not fused.stackable([small, large])
     biased = dataclasses.replace(small, o_bias=np.zeros(64, dtype=np.float32))
     assert fused.stackable([biased, biased]) and not fused.stackable([small, biased])  # stacked arrays need alike layers
+
+
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+def test_a_head_left_to_the_caller_gives_the_same_bits(mode):
+    """Where the head is too large for the calling thread, the one call returns the normed rows and
+    the runner multiplies them (threaded): the same logits as the head multiplied inside the call."""
+    model = tiny_model()
+    batch = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 20]
+
+    def rows(head_inside):
+        engine = LLMEngine(model, EngineConfig(mode=mode, max_num_seqs=3, max_num_batched_tokens=16))
+        stacked = engine.runner.stacked
+        assert stacked.head.shape[0] > 0, "the tiny model's head is multiplied inside the call"
+        if not head_inside:
+            engine.runner.stacked = dataclasses.replace(stacked, head=stacked.head[:0])
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"r{i}", prompt, params=SamplingParams(max_tokens=6, ignore_eos=True))
+        return {rid: [s.logits_sha256 for s in out.steps] for rid, out in engine.run().items()}
+
+    assert rows(True) == rows(False)

@@ -8,6 +8,7 @@ token.
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -81,7 +82,10 @@ class PackedModel:
         # A small model's layers are concatenated all at once and stacked; a large one's a layer at a
         # time, so that its weights are never held twice.
         small = [_concatenated(w) for w in weights.layers] if fused_layers.stackable(weights.layers) else None
-        stacked = fused_layers.stack(small) if small else None
+        lm_head = pack(weights.lm_head)
+        tied = weights.lm_head is weights.embed
+        table, block = (lm_head.blocks, packed.BLOCK) if tied else (np.ascontiguousarray(weights.embed)[:, :, None], 1)
+        stacked = fused_layers.stack(small, table, block, weights.norm, lm_head.blocks) if small else None
         layers = []
         for i, w in enumerate(weights.layers):
             f = small[i] if small else _concatenated(w)
@@ -96,9 +100,8 @@ class PackedModel:
                 o_proj=o_proj, o_bias=w.o_bias, post_norm=w.post_norm, gate_up=gate_up,
                 gate_up_bias=f["gate_up_bias"], down=down, down_bias=w.down_bias,
                 moe=None if w.router is None else moe_weights(w, cfg)))
-        lm_head = pack(weights.lm_head)
         # A tied embedding is looked up in the packed head: one copy of the largest matrix, not two.
-        embed = lm_head.rows if weights.lm_head is weights.embed else _lookup(np.array(weights.embed))
+        embed = lm_head.rows if tied else _lookup(np.array(weights.embed))
         return PackedModel(layers, weights.norm, lm_head, embed, stacked)
 
 
@@ -148,6 +151,8 @@ class ModelRunner:
         self.short_chunk_past = config.injected is Fault.CHUNKED_PREFILL_PAST_OFF_BY_ONE
         self.row_past_next_chunk = config.injected is Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
         self.short_decode_after_prefill = config.injected is Fault.DECODE_CONTEXT_AFTER_PREFILL
+        self.moves_spans = self.short_chunk_past or self.short_decode_after_prefill
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
         # pool up front: left to fault in as blocks are first used, a step where 32 sequences cross into
@@ -165,42 +170,39 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> np.ndarray:
         """Run one forward over `chunks`; returns float32 logits [num sampling chunks, vocab]."""
         cfg = self.cfg
-        # Python lists, one array each at the end: a decode step has one token per chunk, and a numpy
-        # call per chunk cost more than the tiny models' whole forward.
-        ids, positions, slots, offsets = [], [], [], [0]
-        for i, c in enumerate(chunks):
-            shift = int(self.shift_on_join and i > 0 and c.start == 0)
-            ids += c.seq.token_ids[c.start:c.end]
-            positions += range(c.start + shift, c.end + shift)
-            slots += block_manager.slot_mapping(c.seq.block_table, c.start, c.end)
-            offsets.append(offsets[-1] + c.num_tokens)
-        ids, positions, slots = (np.array(v, dtype=np.int64) for v in (ids, positions, slots))
+        inputs, plan, sampling_rows, keys = self._prepare(chunks, block_manager)
+        ids, positions, slots = inputs
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
-        plan = self._plan_attention(chunks, offsets)
-        cos, sin = self.cos[positions], self.sin[positions]
-        scale = 1.0 / np.sqrt(cfg.head_dim)
-
-        x = self.embed(ids)                                                       # [tokens, hidden]
-        # One compiled call for every layer where fused.py may run: every row paged, no threaded attention
+        # One compiled call for the whole forward where fused.py may run: every row paged, no threaded attention
         if self.stacked is not None and plan.paged_rows is None and \
-                int(plan.row_keys.sum()) * cfg.num_heads * cfg.head_dim < paged_attention.THREADED_WORK:
-            x = fused_layers.run_layers(x, self.stacked, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-                                        cfg.rms_norm_eps, cos, sin, self.k_cache, self.v_cache, slots, plan.tables,
-                                        plan.row_seq, plan.row_keys, scale, self.flatten)
-        else:
-            x = self._layers(x, cos, sin, slots, plan, scale)
-
-        sampling_rows = [self._sampling_row(chunks, i, hi) for i, (chunk, hi) in enumerate(zip(chunks, offsets[1:]))
-                         if chunk.samples]
-        if not sampling_rows:
+                keys * cfg.num_heads * cfg.head_dim < paged_attention.THREADED_WORK:
+            out = fused_layers.forward(ids, self.stacked, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                                       cfg.rms_norm_eps, positions, self.cos, self.sin, self.k_cache, self.v_cache,
+                                       slots, plan.tables, plan.row_seq, plan.row_keys, sampling_rows, self.scale,
+                                       self.flatten)
+            if not len(sampling_rows):
+                return np.empty((0, cfg.vocab_size), dtype=np.float32)
+            if self.stacked.head.shape[0]:  # the head was multiplied in the call
+                return out if out.shape[1] == cfg.vocab_size else np.ascontiguousarray(out[:, :cfg.vocab_size])
+            return packed.matmul(out, self.lm_head)
+        x = self._layers(self.embed(ids), self.cos[positions], self.sin[positions], slots, plan, self.scale)
+        if not len(sampling_rows):
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
-        final = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps)
-        return packed.matmul(final, self.lm_head)
+        return packed.matmul(rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps), self.lm_head)
 
     def _layers(self, x, cos, sin, slots, plan: AttentionPlan, scale: float) -> np.ndarray:
-        """x [tokens, hidden] through every layer, a call per operation (engine/fused.py: all in one)."""
+        """x [tokens, hidden] through every layer: a call per operation, or for a stacked model two per
+        layer around its attention (engine/fused.py, which also has the whole step in one call)."""
         cfg = self.cfg
+        if self.stacked is not None:  # each layer's work around its attention in two compiled calls
+            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            for layer in range(len(self.layers)):
+                q = fused_layers.before_attention(x, self.stacked, layer, heads, cfg.rms_norm_eps, cos, sin,
+                                                  self.k_cache, self.v_cache, slots)
+                x = fused_layers.after_attention(x, self._attend(layer, q, plan, scale), self.stacked, layer,
+                                                 cfg.rms_norm_eps)
+            return x
         num_tokens, q_size, kv_size = x.shape[0], cfg.q_size, cfg.kv_size
         for layer, w in enumerate(self.layers):
             qkv = self._project(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
@@ -221,25 +223,39 @@ class ModelRunner:
             x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
         return x
 
-    def _plan_attention(self, chunks: list[ScheduledChunk], offsets: list[int]) -> AttentionPlan:
+    def _prepare(self, chunks: list[ScheduledChunk], block_manager: BlockManager):
+        """The step's inputs in one pass over the chunks: (ids, positions, slots) [tokens] int64 each, the
+        AttentionPlan, the rows that sample (one per sampling chunk) and the keys all rows attend to.
+        Python lists, one array each at the end: a decode step has one token per chunk, and a numpy
+        call per chunk cost more than the tiny models' whole forward."""
         width = max(len(c.seq.block_table.block_ids) for c in chunks)
-        tables = np.array([c.seq.block_table.block_ids + [0] * (width - len(c.seq.block_table.block_ids))
-                           for c in chunks], dtype=np.int64)
-        spans = [self._attended_span(chunks, i) for i in range(len(chunks))]
-        row_seq, row_keys, whole = [], [], []
-        for i, (c, (past, end)) in enumerate(zip(chunks, spans)):
-            row_seq += [i] * c.num_tokens
-            row_keys += range(past + 1, past + c.num_tokens + 1)  # row r sits at position past + r, sees its own key
-            if self.attend_chunk is not None and c.num_tokens > 1:
-                whole.append((i, offsets[i], offsets[i + 1], past, end))
+        ids, positions, slots, row_seq, row_keys, tables, whole, sampling = [], [], [], [], [], [], [], []
+        lo = 0
+        for i, c in enumerate(chunks):
+            seq, start, end, n = c.seq, c.start, c.start + c.num_tokens, c.num_tokens
+            ids += seq.prompt_ids[start:end] if end <= seq.num_prompt_tokens else seq.token_ids[start:end]
+            shift = int(self.shift_on_join and i > 0 and start == 0)
+            positions += range(start + shift, end + shift)
+            slots += block_manager.slot_mapping(seq.block_table, start, end)
+            blocks = seq.block_table.block_ids
+            tables.append(blocks + [0] * (width - len(blocks)))
+            past, attended = self._attended_span(chunks, i) if self.moves_spans else (start, end)
+            row_seq += [i] * n
+            row_keys += range(past + 1, past + n + 1)  # row r sits at position past + r, sees its own key
+            if self.attend_chunk is not None and n > 1:
+                whole.append((i, lo, lo + n, past, attended))
+            lo += n
+            if c.samples:
+                sampling.append(self._sampling_row(chunks, i, lo) if self.row_past_next_chunk else lo - 1)
         paged = None
         if whole:
-            keep = np.ones(len(row_seq), dtype=bool)
-            for _, lo, hi, _, _ in whole:
-                keep[lo:hi] = False
+            keep = np.ones(lo, dtype=bool)
+            for _, first, last, _, _ in whole:
+                keep[first:last] = False
             paged = np.flatnonzero(keep)
-        return AttentionPlan(tables, np.array(row_seq, dtype=np.int64), np.array(row_keys, dtype=np.int64), whole,
-                             paged)
+        rows = np.array([ids, positions, slots, row_seq, row_keys], dtype=np.int64)  # [5, tokens]
+        plan = AttentionPlan(np.array(tables, dtype=np.int64), rows[3], rows[4], whole, paged)
+        return rows[:3], plan, np.array(sampling, dtype=np.int64), sum(row_keys)
 
     def _attend(self, layer: int, q, plan: AttentionPlan, scale: float) -> np.ndarray:
         """The step's attention in one layer, q [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""
@@ -268,8 +284,8 @@ class ModelRunner:
         return chunk.start, chunk.end
 
     def _sampling_row(self, chunks: list[ScheduledChunk], i: int, end: int) -> int:
-        """The row of the step's activations that holds chunk i's last token (`end`: its rows end there)."""
-        if self.row_past_next_chunk and chunks[i].phase == "prefill" and i + 1 < len(chunks) and \
-                chunks[i + 1].phase == "decode":
+        """Under Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW, the row chunk i samples from (`end`: its rows end
+        there; without the fault, its last row, end - 1)."""
+        if chunks[i].phase == "prefill" and i + 1 < len(chunks) and chunks[i + 1].phase == "decode":
             return end - 1 + chunks[i + 1].num_tokens  # Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
         return end - 1
