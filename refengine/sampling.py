@@ -63,9 +63,19 @@ def greedy_token(logits: np.ndarray) -> int:
 
 def top2_margin(logits: np.ndarray) -> float:
     """top-1 logit minus top-2 logit: how far the greedy decision is from flipping."""
-    best = int(np.argmax(logits))  # two max passes: 5x cheaper than a partition on a 150k vocab
-    second = max(logits[:best].max(initial=-np.inf), logits[best + 1:].max(initial=-np.inf))
-    return float(logits[best] - second)
+    return float(top2(logits[None, :])[1][0])
+
+
+def top2(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's greedy token (greedy_token's: the first maximum) and top-2 margin, [rows] each, for a
+    whole step's rows in a few calls. Still row by row: a maximum is exact, so no row's values can
+    depend on the others. The second is the maximum with the first masked out (a copy and a max pass:
+    cheaper than a partition on a 150k vocab)."""
+    best = np.argmax(rows, axis=1)
+    every = np.arange(len(rows))
+    others = rows.copy()
+    others[every, best] = -np.inf
+    return best, rows[every, best] - others.max(axis=1, initial=-np.inf)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from refengine.sampling import (
     greedy_token,
     log_softmax,
     ranked_logprobs,
+    top2,
     top2_margin,
     top_logprobs,
 )
@@ -132,6 +133,23 @@ def test_greedy_picks_the_strict_maximum():
 ])
 def test_top2_margin_is_best_minus_second_best(logits, expected):
     assert top2_margin(np.array(logits)) == expected
+
+
+@given(st.lists(st.lists(st.floats(-1e4, 1e4, width=32) | st.sampled_from([-np.inf, np.inf, np.nan]),
+                         min_size=4, max_size=4), min_size=1, max_size=6))
+def test_a_steps_top2_is_each_rows_own(rows):
+    """The engine takes a step's greedy tokens and margins in one call (sampling.top2): each row's
+    must be greedy_token's, and a margin the best minus the best of the other ids (nan where a row
+    has a nan, as the row's own arithmetic gives)."""
+    matrix = np.array(rows, dtype=np.float32)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        best, margins = top2(matrix)
+    for row, token, margin in zip(matrix, best, margins):
+        assert token == greedy_token(row)
+        rest = [float(v) for i, v in enumerate(row) if i != token]
+        with np.errstate(invalid="ignore"):
+            expected = np.float32(row[token]) - np.float32(max(rest))
+        assert (np.isnan(margin) and (np.isnan(row).any() or np.isnan(expected))) or margin == expected
 
 
 def test_top_logprobs_are_the_log_probabilities_of_the_best_ids():

@@ -43,7 +43,7 @@ from ..sampling import (
     log_softmax,
     ranked_logprobs,
     sample_token,
-    top2_margin,
+    top2,
 )
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -139,8 +139,10 @@ class LLMEngine:
         seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
         leaked_seed = seeds[0] if self._leak_seed and seeds else None
         logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling])
-        for chunk, row, row_logprobs in zip(sampling, logits, logprobs):
-            events.append(self._append_token(chunk.seq, row, step, leaked_seed, row_logprobs))
+        best, margins = top2(logits) if sampling else ((), ())
+        for chunk, row, row_best, margin, row_logprobs in zip(sampling, logits, best, margins, logprobs):
+            events.append(self._append_token(chunk.seq, row, int(row_best), float(margin), step, leaked_seed,
+                                             row_logprobs))
         self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
         self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
         self.num_steps += 1
@@ -156,14 +158,19 @@ class LLMEngine:
             return [row if want else None for row, want in zip(every, wanted)]
         return [log_softmax(row.astype(np.float64)) if want else None for row, want in zip(logits, wanted)]
 
-    def _append_token(self, seq: Sequence, logits: np.ndarray, step: int, leaked_seed: int | None,
-                      row_logprobs: np.ndarray | None = None) -> TokenEvent:
+    def _append_token(self, seq: Sequence, logits: np.ndarray, best: int, margin: float, step: int,
+                      leaked_seed: int | None, row_logprobs: np.ndarray | None = None) -> TokenEvent:
+        """The row's token (`best`, its greedy token, where the request is greedy) and its record.
+        `margin` is the row's top-2 margin."""
         params = seq.params
-        drawn = params if leaked_seed is None or params.greedy else replace(params, seed=leaked_seed)
-        token = self.choose_token(logits, drawn, len(seq.output_ids))
+        if params.greedy:
+            token = best
+        else:
+            drawn = params if leaked_seed is None else replace(params, seed=leaked_seed)
+            token = self.choose_token(logits, drawn, len(seq.output_ids))
         logprob, alternatives = (None, []) if row_logprobs is None else \
             ranked_logprobs(row_logprobs, token, params.logprobs)
-        record = StepRecord(token, top2_margin(logits), alternatives, logprob, step,
+        record = StepRecord(token, margin, alternatives, logprob, step,
                             hashlib.sha256(logits.tobytes()).hexdigest() if self.digest_logits else None,
                             logits.copy() if self.keep_logits else None)
         seq.append_token(record)
