@@ -154,11 +154,12 @@ def _normed(x, weight, eps):
 
 def before_attention(x, s: StackedLayers, layer: int, heads: tuple[int, int, int], eps, cos, sin, k_cache,
                      v_cache, slots) -> np.ndarray:
-    """Layer `layer` of x [tokens, hidden] up to its attention: the normed qkv product, q/k norms,
-    rotary, the cache write. Returns the queries [tokens, heads, head_dim]. With after_attention, the
-    layer-by-layer path of a stacked model where its attention is not this module's (a prefill chunk
-    attend_fast takes whole, or a threaded step): the same compiled halves as in _layers."""
-    return _before_attention(np.ascontiguousarray(x, dtype=np.float32), layer, s.input_norm, s.qkv, s.qkv_bias, s.q_norm, s.k_norm, s.widths, heads[0],
+    """Layer `layer` of x [tokens, hidden] (float32, C order) up to its attention: the normed qkv
+    product, q/k norms, rotary, the cache write. Returns the queries [tokens, heads, head_dim]. With
+    after_attention, the layer-by-layer path of a stacked model where its attention is not this
+    module's (a prefill chunk attend_fast takes whole, or a threaded step): the same compiled halves
+    as in _layers."""
+    return _before_attention(x, layer, s.input_norm, s.qkv, s.qkv_bias, s.q_norm, s.k_norm, s.widths, heads[0],
                              heads[1], heads[2], np.float32(eps), cos, sin, k_cache, v_cache, slots)
 
 

@@ -197,6 +197,7 @@ class ModelRunner:
         cfg = self.cfg
         if self.stacked is not None:  # each layer's work around its attention in two compiled calls
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            x = np.ascontiguousarray(x, dtype=np.float32)
             for layer in range(len(self.layers)):
                 q = fused_layers.before_attention(x, self.stacked, layer, heads, cfg.rms_norm_eps, cos, sin,
                                                   self.k_cache, self.v_cache, slots)
