@@ -19,7 +19,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from refengine.cli import main
 from refengine.cli.common import FAULT_ENV as ENV_VAR
 from refengine.engine import FAULTS
-from refengine.strategies import tiny_model_names
+from refengine.strategies import DEFAULT_MODEL, tiny_model_names
 from refengine.suite.harness import (
     REPRO_DIR_VAR,
     PropertyFailure,
@@ -149,7 +149,7 @@ def test_a_request_after_an_early_engine_failure_is_skipped_not_an_error(tmp_pat
                            "num_blocks": 16, "max_model_len": 128},
                 "requests": [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 4, "arrival_step": 0, "abort_step": 1},
                              {"id": "b", "prompt_ids": [4, 5], "max_tokens": 2, "arrival_step": 6}]}
-    model = "qwen3-gqa2-tied"
+    model = DEFAULT_MODEL
     with pytest.raises(PropertyFailure, match="engine failure: after step 1: a: finished but still holds blocks"):
         check("invariant-mode-is-exact", model, schedule, fault="abort-leaks-blocks")
     with pytest.raises(PropertyFailure, match="engine failure: after step 1: a: finished but still holds blocks"):

@@ -181,15 +181,15 @@ class ModelRunner:
                                        cfg.rms_norm_eps, positions, self.cos, self.sin, self.k_cache, self.v_cache,
                                        slots, plan.tables, plan.row_seq, plan.row_keys, sampling_rows, self.scale,
                                        self.flatten)
-            if not len(sampling_rows):
-                return np.empty((0, cfg.vocab_size), dtype=np.float32)
-            if self.stacked.head.shape[0]:  # the head was multiplied in the call
-                return out if out.shape[1] == cfg.vocab_size else np.ascontiguousarray(out[:, :cfg.vocab_size])
-            return packed.matmul(out, self.lm_head)
-        x = self._layers(self.embed(ids), self.cos[positions], self.sin[positions], slots, plan, self.scale)
+            head_done = self.stacked.head.shape[0] > 0  # else `out` is the normed rows, the head threaded
+        else:
+            x = self._layers(self.embed(ids), self.cos[positions], self.sin[positions], slots, plan, self.scale)
+            out, head_done = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps), False
         if not len(sampling_rows):
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
-        return packed.matmul(rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps), self.lm_head)
+        if not head_done:
+            return packed.matmul(out, self.lm_head)
+        return out if out.shape[1] == cfg.vocab_size else np.ascontiguousarray(out[:, :cfg.vocab_size])
 
     def _layers(self, x, cos, sin, slots, plan: AttentionPlan, scale: float) -> np.ndarray:
         """x [tokens, hidden] through every layer: a call per operation, or for a stacked model two per
@@ -234,7 +234,7 @@ class ModelRunner:
         lo = 0
         for i, c in enumerate(chunks):
             seq, start, end, n = c.seq, c.start, c.start + c.num_tokens, c.num_tokens
-            ids += seq.prompt_ids[start:end] if end <= seq.num_prompt_tokens else seq.token_ids[start:end]
+            ids += seq.token_ids[start:end]
             shift = int(self.shift_on_join and i > 0 and start == 0)
             positions += range(start + shift, end + shift)
             slots += block_manager.slot_mapping(seq.block_table, start, end)
