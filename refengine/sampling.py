@@ -7,6 +7,7 @@ produces the same tokens whatever else is scheduled beside it.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,20 +63,10 @@ def greedy_token(logits: np.ndarray) -> int:
 
 
 def top2_margin(logits: np.ndarray) -> float:
-    """top-1 logit minus top-2 logit: how far the greedy decision is from flipping."""
-    return float(top2(logits[None, :])[1][0])
-
-
-def top2(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's greedy token (greedy_token's: the first maximum) and top-2 margin, [rows] each, for a
-    whole step's rows in a few calls. Still row by row: a maximum is exact, so no row's values can
-    depend on the others. The second is the maximum with the first masked out (a copy and a max pass:
-    cheaper than a partition on a 150k vocab)."""
-    best = np.argmax(rows, axis=1)
-    every = np.arange(len(rows))
-    others = rows.copy()
-    others[every, best] = -np.inf
-    return best, rows[every, best] - others.max(axis=1, initial=-np.inf)
+    """top-1 logit minus top-2 logit: how far the greedy decision is from flipping (the greedy token's
+    logit minus the best of the other ids; nan where the row has a nan)."""
+    best = int(np.argmax(logits))
+    return float(logits[best] - np.delete(logits, best).max(initial=-np.inf))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -98,26 +89,41 @@ def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[fl
     theirs, ties broken by lower id. Only the values at or above the k-th largest can rank, so only
     they are sorted (a partition is linear; a full-vocabulary sort per token is not); where fewer than
     k values qualify (NaNs partition above everything, but rank below it) the whole row is sorted."""
+    own = None if token is None else float(logprobs[token])
+    if k <= 0:
+        return own, []
     candidates = np.arange(len(logprobs))
-    if 0 < k < len(logprobs):
+    if k < len(logprobs):
         kth = np.partition(logprobs, len(logprobs) - k)[len(logprobs) - k]
         above = np.flatnonzero(logprobs >= kth)
         candidates = above if len(above) >= k else candidates
-    order = candidates[np.lexsort((candidates, -logprobs[candidates]))][:max(k, 0)]
-    own = None if token is None else float(logprobs[token])
+    order = candidates[np.lexsort((candidates, -logprobs[candidates]))][:k]
     return own, [(int(i), float(logprobs[i])) for i in order]
 
 
 def token_uniform(seed: int, token_index: int) -> float:
-    """The one uniform draw for token `token_index` of a request seeded with `seed`."""
-    return float(np.random.Generator(np.random.Philox(key=[seed & (2**64 - 1), token_index])).random())
+    """The one uniform draw for token `token_index` of a request seeded with `seed`: the first double of
+    numpy's Philox keyed by (seed mod 2**64, token_index), as Generator(Philox(key=...)).random() draws
+    it. The key is set on a generator kept per thread: building one per token cost more than the
+    token's whole sort."""
+    philox = getattr(_PHILOX, "generator", None)
+    if philox is None:
+        philox = _PHILOX.generator = np.random.Philox(0)
+    philox.state = {"bit_generator": "Philox", "buffer": np.zeros(4, np.uint64), "buffer_pos": 4,
+                    "has_uint32": 0, "uinteger": 0,
+                    "state": {"counter": np.zeros(4, np.uint64),
+                              "key": np.array([seed & (2**64 - 1), token_index], dtype=np.uint64)}}
+    return (int(philox.random_raw()) >> 11) * 2.0**-53  # the top 53 bits, as Generator.random()
+
+
+_PHILOX = threading.local()
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
     if params.greedy:
         return greedy_token(logits)
     scaled = logits.astype(np.float64) / params.temperature
-    order = np.lexsort((np.arange(len(scaled)), -scaled))  # descending, lower id first on ties
+    order = np.argsort(-scaled, kind="stable")  # descending, lower id first on ties
     if params.top_k:
         order = order[:params.top_k]
     probs = np.exp(scaled[order] - scaled[order[0]])

@@ -1,13 +1,17 @@
 """Fast mode's attention for a prefill chunk (kernels.attend_fast, via kernels.attention): one masked
 product for all of a chunk's queries. Unlike the paged kernel (tests/test_paged_attention.py) its bits
-may depend on the chunking, so it is held only to a float64 attention written here, for every chunking."""
+may depend on the chunking, so it is held only to a float64 attention written here, for every chunking.
+And a step's greedy tokens and top-2 margins (kernels.top2), held to the reference's rules."""
 import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from refengine.engine.faults import Fault
-from refengine.engine.kernels import attend_fast, attention
+from refengine.engine.kernels import attend_fast, attention, top2
+from refengine.sampling import greedy_token, top2_margin
 
 
 def reference(q, k, v, start, scale, flatten=1.0):
@@ -50,3 +54,22 @@ def test_attention_injects_the_inflated_bound_fault_in_both_forms():
     faulty = attention(False, Fault.ATTENTION_BOUND_INFLATING).chunk(q[4:], k, v, 4, scale)
     assert np.allclose(faulty, reference(q[4:], k, v, 4, scale, flatten=math.log(2)), rtol=1e-5, atol=2e-6)
     assert not np.allclose(faulty, reference(q[4:], k, v, 4, scale), atol=1e-3)
+
+
+@given(st.lists(st.lists(st.floats(-1e4, 1e4, width=32) | st.sampled_from([-np.inf, np.inf, np.nan]),
+                         min_size=4, max_size=4), min_size=1, max_size=6))
+def test_a_steps_top2_is_each_rows_own(rows):
+    """The engine takes a step's greedy tokens and margins in one compiled call: each row's token must
+    be greedy_token's, and its margin the best minus the best of the other ids, worked out here (nan
+    where a row has a nan, as the row's own arithmetic gives), and top2_margin's."""
+    matrix = np.array(rows, dtype=np.float32)
+    best, margins = top2(matrix)
+    assert margins.dtype == np.float32
+    for row, token, margin in zip(matrix, best, margins):
+        assert token == greedy_token(row)
+        rest = [float(v) for i, v in enumerate(row) if i != token]
+        with np.errstate(invalid="ignore"):  # inf - inf
+            expected = np.float32(row[token]) - np.float32(max(rest))
+            alone = top2_margin(row)
+        assert (np.isnan(margin) and (np.isnan(row).any() or np.isnan(expected))) or margin == expected
+        assert (np.isnan(margin) and np.isnan(alone)) or margin == alone

@@ -15,7 +15,7 @@ from refengine.sampling import (
     greedy_token,
     log_softmax,
     ranked_logprobs,
-    top2,
+    token_uniform,
     top2_margin,
     top_logprobs,
 )
@@ -135,23 +135,6 @@ def test_top2_margin_is_best_minus_second_best(logits, expected):
     assert top2_margin(np.array(logits)) == expected
 
 
-@given(st.lists(st.lists(st.floats(-1e4, 1e4, width=32) | st.sampled_from([-np.inf, np.inf, np.nan]),
-                         min_size=4, max_size=4), min_size=1, max_size=6))
-def test_a_steps_top2_is_each_rows_own(rows):
-    """The engine takes a step's greedy tokens and margins in one call (sampling.top2): each row's
-    must be greedy_token's, and a margin the best minus the best of the other ids (nan where a row
-    has a nan, as the row's own arithmetic gives)."""
-    matrix = np.array(rows, dtype=np.float32)
-    with np.errstate(invalid="ignore"):  # inf - inf
-        best, margins = top2(matrix)
-    for row, token, margin in zip(matrix, best, margins):
-        assert token == greedy_token(row)
-        rest = [float(v) for i, v in enumerate(row) if i != token]
-        with np.errstate(invalid="ignore"):
-            expected = np.float32(row[token]) - np.float32(max(rest))
-        assert (np.isnan(margin) and (np.isnan(row).any() or np.isnan(expected))) or margin == expected
-
-
 def test_top_logprobs_are_the_log_probabilities_of_the_best_ids():
     logits = np.log([0.1, 0.2, 0.3, 0.4]) + 7.0  # softmax ignores the shift
     result = top_logprobs(logits, 2)
@@ -179,6 +162,22 @@ def test_ranked_logprobs_rank_like_a_full_sort_by_value_then_id(values, k):
     assert [i for i, _ in ranked] == expected
     assert [v for _, v in ranked] == pytest.approx([row[i] for i in expected], nan_ok=True)
     assert own == pytest.approx(row[0], nan_ok=True)
+
+
+@given(seed=st.integers(-2**63, 2**64 - 1), index=st.integers(0, 2**20))
+def test_a_tokens_draw_is_philox_keyed_by_seed_and_index(seed, index):
+    """token_uniform keeps one generator per thread and re-keys it: each draw must be the first double
+    of a fresh numpy Philox keyed by (seed mod 2**64, index), whatever was drawn before it."""
+    for i in (index, index + 1):
+        key = np.array([seed % 2**64, i], dtype=np.uint64)
+        assert token_uniform(seed, i) == np.random.Generator(np.random.Philox(key=key)).random()
+
+
+def test_seeds_from_two_to_the_63_keep_their_own_draws():
+    """A key given to Philox as a Python list of a large int and a small one went through float64, so
+    neighbouring seeds above 2**63 (negative seeds among them, taken mod 2**64) drew alike."""
+    draws = {token_uniform(seed, 0) for seed in [2**63 + 1, 2**63 + 2, 2**64 - 1, -2, -3]}
+    assert len(draws) == 5
 
 
 def test_log_softmax_of_uniform_logits_is_minus_log_vocab():

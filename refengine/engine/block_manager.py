@@ -75,21 +75,27 @@ class BlockManager:
 
     def check_invariants(self, finished_tables: list[BlockTable] = ()) -> None:
         """Raise AssertionError unless: free + used == total; each block's refcount equals the number
-        of tables holding it; free blocks have refcount 0 and appear once; `finished_tables` are empty."""
-        free = list(self.free_block_ids)
-        assert len(free) == len(set(free)), f"a block is on the free list twice: {sorted(free)}"
+        of tables holding it; free blocks have refcount 0 and appear once; `finished_tables` are empty.
+        Run after every step of every property, so whole lists are compared first and searched only
+        for the message."""
+        free = self.free_block_ids
+        if len(free) != len(set(free)):
+            raise AssertionError(f"a block is on the free list twice: {sorted(free)}")
         owners = [0] * self.num_blocks
         for table in self.tables.values():
             for block_id in table.block_ids:
                 owners[block_id] += 1
-        for block_id in range(self.num_blocks):
-            assert owners[block_id] == self.ref_counts[block_id], (
-                f"block {block_id}: refcount {self.ref_counts[block_id]} but held by {owners[block_id]} tables")
-        free_set = set(free)
-        used = [b for b in range(self.num_blocks) if self.ref_counts[b] > 0]
-        assert not free_set.intersection(used), f"blocks both free and used: {sorted(free_set.intersection(used))}"
-        assert len(free) + len(used) == self.num_blocks, (
-            f"free {len(free)} + used {len(used)} != total {self.num_blocks}")
+        if owners != self.ref_counts:
+            block_id = next(b for b, (held, count) in enumerate(zip(owners, self.ref_counts)) if held != count)
+            raise AssertionError(f"block {block_id}: refcount {self.ref_counts[block_id]} but held by "
+                                 f"{owners[block_id]} tables")
+        if any(self.ref_counts[b] for b in free):
+            raise AssertionError(f"blocks both free and used: {sorted(b for b in set(free) if self.ref_counts[b])}")
+        used = self.num_blocks - self.ref_counts.count(0)
+        if len(free) + used != self.num_blocks:
+            raise AssertionError(f"free {len(free)} + used {used} != total {self.num_blocks}")
         for table in finished_tables:
-            assert not table.block_ids, f"{table.owner}: finished but still holds blocks {table.block_ids}"
-            assert table.owner not in self.tables, f"{table.owner}: finished but still registered"
+            if table.block_ids:
+                raise AssertionError(f"{table.owner}: finished but still holds blocks {table.block_ids}")
+            if table.owner in self.tables:
+                raise AssertionError(f"{table.owner}: finished but still registered")

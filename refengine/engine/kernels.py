@@ -92,6 +92,35 @@ def _rope(x, cos, sin, out):
                 out[t, h, i + half] = b * cos[t, i + half] + a * sin[t, i + half]
 
 
+@jit
+def top2(rows):
+    """Each row's greedy token and top-2 margin, [rows] each: sampling.greedy_token's and
+    sampling.top2_margin's, for a whole step's rows in one call (a numpy call per operation cost more
+    than the tiny models' forward). The token is the first maximum, a nan counting as one (np.argmax's
+    rule); the margin is its logit minus the best of the other ids, nan where either is nan. A maximum
+    is exact, so no row can depend on the others (tests/test_reference_units.py holds both rules)."""
+    count, width = rows.shape
+    best = np.empty(count, dtype=np.int64)
+    margins = np.empty(count, dtype=rows.dtype)
+    for r in range(count):
+        b = 0
+        for j in range(1, width):
+            if np.isnan(rows[r, b]):
+                break
+            if np.isnan(rows[r, j]) or rows[r, j] > rows[r, b]:
+                b = j
+        second = -np.inf
+        for j in range(width):
+            if j != b:
+                if np.isnan(rows[r, j]):
+                    second = np.nan
+                    break
+                second = max(second, rows[r, j])
+        best[r] = b
+        margins[r] = rows[r, b] - second  # in float64, then float32: float32's own difference (53 >= 2*24+2 bits)
+    return best, margins
+
+
 def softmax_rows(scores):  # in place
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)

@@ -43,11 +43,11 @@ from ..sampling import (
     log_softmax,
     ranked_logprobs,
     sample_token,
-    top2,
 )
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .faults import Fault
+from .kernels import top2
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, TokenEvent, request_output
