@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refengine.engine.faults import Fault
-from refengine.engine.kernels import attend_fast, attention, top2
+from refengine.engine.kernels import SMALL_VOCAB, attend_fast, attention, top2
 from refengine.sampling import greedy_token, top2_margin
 
 
@@ -57,17 +57,21 @@ def test_attention_injects_the_inflated_bound_fault_in_both_forms():
 
 
 @given(st.lists(st.lists(st.floats(-1e4, 1e4, width=32) | st.sampled_from([-np.inf, np.inf, np.nan]),
-                         min_size=4, max_size=4), min_size=1, max_size=6))
-def test_a_steps_top2_is_each_rows_own(rows):
-    """The engine takes a step's greedy tokens and margins in one compiled call: each row's token must
-    be greedy_token's, and its margin the best minus the best of the other ids, worked out here (nan
-    where a row has a nan, as the row's own arithmetic gives), and top2_margin's."""
+                         min_size=4, max_size=4), min_size=1, max_size=6), st.sampled_from([0, SMALL_VOCAB]))
+def test_a_steps_top2_is_each_rows_own(rows, pad):
+    """The engine takes a step's greedy tokens and margins in one call: each row's token must be
+    greedy_token's, and its margin the best minus the best of the other ids, worked out here (nan
+    where a row has a nan, as the row's own arithmetic gives), and top2_margin's. Padded with -inf
+    past SMALL_VOCAB, the rows take the other path (the padding can be the second best only where
+    the row's others are all -inf, and then it is -inf as well)."""
     matrix = np.array(rows, dtype=np.float32)
-    best, margins = top2(matrix)
+    matrix = np.concatenate([matrix, np.full((len(matrix), pad), -np.inf, dtype=np.float32)], axis=1)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        best, margins = top2(matrix)
     assert margins.dtype == np.float32
     for row, token, margin in zip(matrix, best, margins):
         assert token == greedy_token(row)
-        rest = [float(v) for i, v in enumerate(row) if i != token]
+        rest = [float(v) for i, v in enumerate(row[:4]) if i != token]
         with np.errstate(invalid="ignore"):  # inf - inf
             expected = np.float32(row[token]) - np.float32(max(rest))
             alone = top2_margin(row)

@@ -92,13 +92,28 @@ def _rope(x, cos, sin, out):
                 out[t, h, i + half] = b * cos[t, i + half] + a * sin[t, i + half]
 
 
-@jit
+SMALL_VOCAB = 4096  # rows up to this wide go through one compiled pass (top2 says why)
+
+
 def top2(rows):
     """Each row's greedy token and top-2 margin, [rows] each: sampling.greedy_token's and
-    sampling.top2_margin's, for a whole step's rows in one call (a numpy call per operation cost more
-    than the tiny models' forward). The token is the first maximum, a nan counting as one (np.argmax's
-    rule); the margin is its logit minus the best of the other ids, nan where either is nan. A maximum
-    is exact, so no row can depend on the others (tests/test_reference_units.py holds both rules)."""
+    sampling.top2_margin's, for a whole step's rows. The token is the first maximum, a nan counting as
+    one (np.argmax's rule); the margin is its logit minus the best of the other ids, nan where either
+    is nan. A maximum is exact, so no row can depend on the others. A tiny model's rows take one
+    compiled call (a numpy call per operation cost more than its forward); a real vocabulary's take
+    numpy's vectorized passes, several times faster there than the compiled loop
+    (tests/test_kernels.py holds both to the rules)."""
+    if rows.shape[1] <= SMALL_VOCAB:
+        return _top2_rows(rows)
+    best = np.argmax(rows, axis=1)
+    every = np.arange(len(rows))
+    others = rows.copy()
+    others[every, best] = -np.inf
+    return best, rows[every, best] - others.max(axis=1, initial=-np.inf)
+
+
+@jit
+def _top2_rows(rows):
     count, width = rows.shape
     best = np.empty(count, dtype=np.int64)
     margins = np.empty(count, dtype=rows.dtype)
