@@ -101,6 +101,9 @@ def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[fl
     return own, [(int(i), float(logprobs[i])) for i in order]
 
 
+_PHILOX = threading.local()  # token_uniform's generator, one per thread
+
+
 def token_uniform(seed: int, token_index: int) -> float:
     """The one uniform draw for token `token_index` of a request seeded with `seed`: the first double of
     numpy's Philox keyed by (seed mod 2**64, token_index), as Generator(Philox(key=...)).random() draws
@@ -114,9 +117,6 @@ def token_uniform(seed: int, token_index: int) -> float:
                     "state": {"counter": np.zeros(4, np.uint64),
                               "key": np.array([seed & (2**64 - 1), token_index], dtype=np.uint64)}}
     return (int(philox.random_raw()) >> 11) * 2.0**-53  # the top 53 bits, as Generator.random()
-
-
-_PHILOX = threading.local()
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
