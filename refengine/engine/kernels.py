@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..sampling import greedy_token, top2_margin
 from .exp import exp32
 from .faults import Fault
 from .jit import jit
@@ -100,16 +101,13 @@ def top2(rows):
     sampling.top2_margin's, for a whole step's rows. The token is the first maximum, a nan counting as
     one (np.argmax's rule); the margin is its logit minus the best of the other ids, nan where either
     is nan. A maximum is exact, so no row can depend on the others. A tiny model's rows take one
-    compiled call (a numpy call per operation cost more than its forward); a real vocabulary's take
-    numpy's vectorized passes, several times faster there than the compiled loop
-    (tests/test_kernels.py holds both to the rules)."""
+    compiled call (a numpy call per operation cost more than its forward); a real vocabulary's rows
+    go through those two functions themselves, whose vectorized numpy passes are several times
+    faster there than the compiled loop (tests/test_kernels.py holds both paths to the rules)."""
     if rows.shape[1] <= SMALL_VOCAB:
         return _top2_rows(rows)
-    best = np.argmax(rows, axis=1)
-    every = np.arange(len(rows))
-    others = rows.copy()
-    others[every, best] = -np.inf
-    return best, rows[every, best] - others.max(axis=1, initial=-np.inf)
+    return (np.array([greedy_token(row) for row in rows], dtype=np.int64),
+            np.array([top2_margin(row) for row in rows], dtype=rows.dtype))
 
 
 @jit
