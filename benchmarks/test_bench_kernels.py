@@ -1,8 +1,9 @@
 """The forward's kernels at batch 1, 8 and 32, each against what it replaced: the packed weight product
 (engine/packed.py) against numpy's BLAS `x @ w.T` for projections and the lm_head, and decode attention
 over the paged KV cache (engine/paged_attention.py) against gathering each sequence's context and
-attending it with fast mode's numpy form (kernels.attend_fast). `extra_info` carries the rate each
-one reaches."""
+attending it with fast mode's numpy form (kernels.attend_fast), and a seeded token's ranking of a real
+vocabulary (sampling.sampling_order) against the stable argsort it replaced. `extra_info` carries the
+rate each one reaches."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +12,12 @@ from bench_models import BATCH_SIZES, MID_SPEC
 
 from refengine.engine import packed, paged_attention
 from refengine.engine.kernels import attend_fast
+from refengine.sampling import sampling_order
 
 PRODUCTS = ("packed", "blas")
 ATTENTIONS = ("paged", "gathered")
+ORDERS = ("keys", "stable argsort")
+VOCAB = 151936  # Qwen3's
 CONTEXT = 128   # the mean KV prefix of the issue's workload (prompt 64, 128 new tokens)
 BLOCK_SIZE = 16
 
@@ -79,3 +83,21 @@ def test_decode_attention_over_paged_kv(benchmark, kernel, batch):
     else:
         benchmark(gathered)
     _rates(benchmark, kv_gb_s=2 * batch * CONTEXT * kv_heads * head_dim * 4 / 1e9)
+
+
+@pytest.mark.parametrize("top_k", [0, 20])
+@pytest.mark.parametrize("kernel", ORDERS)
+def test_sampling_order_of_a_real_vocabulary(benchmark, kernel, top_k):
+    """The ids a seeded token samples over, for one float32 logits row at temperature 0.6: all of them
+    ranked (top_k 0) or the 20 best (Qwen3's recommended sampler)."""
+    row = np.random.default_rng(0).standard_normal(VOCAB, dtype=np.float32) * 3
+
+    def stable():
+        order = np.argsort(-(row.astype(np.float64) / 0.6), kind="stable")
+        return order[:top_k] if top_k else order
+
+    if kernel == "keys":
+        benchmark(sampling_order, row, 0.6, top_k)
+    else:
+        benchmark(stable)
+    _rates(benchmark, rows_per_s=1)

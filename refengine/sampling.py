@@ -120,14 +120,44 @@ def token_uniform(seed: int, token_index: int) -> float:
     return (int(philox.random_raw()) >> 11) * 2.0**-53  # the top 53 bits, as Generator.random()
 
 
+# Temperatures for which logits / temperature in float64 orders a float32 row exactly as the row itself:
+# no finite value overflows, none leaves float64's normal range, distinct values stay distinct.
+ORDER_SAFE_TEMPERATURES = (1e-30, 1e30)
+
+
+def sampling_order(logits: np.ndarray, temperature: float, k: int = 0) -> np.ndarray:
+    """The ids of `logits` by logits / temperature (float64) descending, lower id first on ties, NaN last:
+    np.argsort(-(logits.astype(np.float64) / temperature), kind="stable"), only its first k where k > 0.
+    A float32 row at an order-safe temperature is ranked on its own values instead, which is the same
+    order: the k first through a partition (ties at the k-th value kept, then sorted), the whole row
+    as one sort of unique 64-bit keys (order bits above the id), which numpy sorts with its vectorized
+    quicksort: a stable sort of a real vocabulary per sampled token cost a large batch more than
+    everything in its step but the products (README, Performance)."""
+    n = len(logits)
+    if logits.dtype != np.float32 or not ORDER_SAFE_TEMPERATURES[0] <= temperature <= ORDER_SAFE_TEMPERATURES[1]:
+        order = np.argsort(-(logits.astype(np.float64) / temperature), kind="stable")
+        return order[:k] if k else order
+    if 0 < k < n:
+        negated = -logits
+        kth = np.partition(negated, k - 1)[k - 1]
+        candidates = np.flatnonzero(negated <= kth)  # every id the first k can hold; never a NaN
+        if len(candidates) >= k:  # else fewer than k values are not NaN
+            return candidates[np.argsort(negated[candidates], kind="stable")[:k]]
+    bits = (logits + np.float32(0)).view(np.uint32)  # -0.0 as +0.0: they tie
+    descending = bits ^ (((bits >> np.uint32(31)) - np.uint32(1)) & np.uint32(0x7fffffff))  # bigger value, smaller
+    descending[np.isnan(logits)] = 0xffffffff
+    keys = (descending.astype(np.uint64) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
+    keys.sort()
+    order = (keys & np.uint64(0xffffffff)).astype(np.intp)
+    return order[:k] if k else order
+
+
 def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
     if params.greedy:
         return greedy_token(logits)
-    scaled = logits.astype(np.float64) / params.temperature
-    order = np.argsort(-scaled, kind="stable")  # descending, lower id first on ties
-    if params.top_k:
-        order = order[:params.top_k]
-    probs = np.exp(scaled[order] - scaled[order[0]])
+    order = sampling_order(logits, params.temperature, params.top_k)
+    scaled = logits[order].astype(np.float64) / params.temperature  # [len(order)], descending
+    probs = np.exp(scaled - scaled[0])
     probs /= probs.sum()
     if params.top_p < 1:
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)

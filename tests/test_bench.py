@@ -16,11 +16,14 @@ from refengine.bench.reference import (
     run_reference,
 )
 from refengine.bench.roofline import Machine, streamed_parameters
+from refengine.bench.workloads import random_requests, start_engine
 from refengine.check.golden import LOCKSTEP_GROUP, load_prompts
 from refengine.cli import main
 from refengine.data import shipped
+from refengine.engine import EngineConfig, LLMEngine
 from refengine.model import loader
-from refengine.strategies.models import tiny_model
+from refengine.sampling import SamplingParams
+from refengine.strategies.models import DEFAULT_MODEL, tiny_model
 
 REQUESTS, PROMPT_LEN, MAX_TOKENS, SERIAL_REQUESTS, EXAMPLES = 4, 8, 5, 2, 2
 
@@ -197,6 +200,33 @@ def test_hf_runs_the_same_workload_beside_the_engine(tmp_path):
     assert hf["engine_vs_hf"]["serial"] == pytest.approx(rows[1]["decode_tok_s"] / hf["serial"]["decode_tok_s"])
 
 
+def test_a_sampled_workload_samples_each_request_with_its_own_seed():
+    """--temperature/--top-k/--top-p: request i samples with seed i, batched exactly as alone (invariant
+    mode), and not what greedy decoding gives."""
+    model = tiny_model(DEFAULT_MODEL)
+    sampler = {"temperature": 1.5, "top_k": 40, "top_p": 0.9}
+    requests = random_requests(model, 3, PROMPT_LEN, MAX_TOKENS, sampler=sampler)
+    batched = start_engine(model, requests, "invariant", 3).run()
+    greedy = start_engine(model, random_requests(model, 3, PROMPT_LEN, MAX_TOKENS), "invariant", 3).run()
+    for i, r in enumerate(requests):
+        alone = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1))
+        alone.add_request("x", r.prompt_ids, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                                   seed=i, **sampler))
+        assert batched[r.request_id].token_ids == alone.run()["x"].token_ids
+    assert any(batched[r.request_id].token_ids != greedy[r.request_id].token_ids for r in requests)
+
+
+def test_a_sampled_bench_reports_its_sampler():
+    args = ["bench", "--requests", 2, "--prompt-len", PROMPT_LEN, "--max-tokens", MAX_TOKENS, "--serial-requests", 1,
+            "--mode", "fast", "--temperature", 0.6, "--top-k", 20, "--json"]
+    done = subprocess.run([sys.executable, "-m", "refengine", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["workload"]["sampling"] == {"temperature": 0.6, "top_k": 20, "top_p": 1.0}
+    assert all(row["generated_tokens"] == row["requests"] * MAX_TOKENS for row in report["decode"]["rows"])
+
+
 @pytest.mark.parametrize("args, named", [
     (["--batch-sizes", "0,2"], "--batch-sizes"),
     (["--scenario", "decode,warp"], "--scenario"),
@@ -204,6 +234,10 @@ def test_hf_runs_the_same_workload_beside_the_engine(tmp_path):
     (["--max-tokens", "0"], "--max-tokens"),
     (["--examples", "0"], "--examples"),
     (["--scenario", "reference", "--prompts", "/nonexistent/prompts.jsonl"], "--prompts"),
+    (["--temperature", "0"], "--temperature"),
+    (["--temperature", "0.7", "--top-p", "1.5"], "--top-p"),
+    (["--temperature", "0.7", "--top-k", "-1"], "--top-k"),
+    (["--top-k", "20"], "--top-k"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, named, capsys):
     assert main(["bench", *args]) == 2

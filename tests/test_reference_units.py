@@ -15,6 +15,8 @@ from refengine.sampling import (
     greedy_token,
     log_softmax,
     ranked_logprobs,
+    sample_token,
+    sampling_order,
     token_uniform,
     top2_margin,
     top_logprobs,
@@ -162,6 +164,47 @@ def test_ranked_logprobs_rank_like_a_full_sort_by_value_then_id(values, k):
     assert [i for i, _ in ranked] == expected
     assert [v for _, v in ranked] == pytest.approx([row[i] for i in expected], nan_ok=True)
     assert own == pytest.approx(row[0], nan_ok=True)
+
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3e38, -3e38]
+# around both ends of the order-safe range, inside and out; where finite logits overflow (1e-300) or
+# underflow (1e300) in float64; and ordinary ones
+TEMPERATURES = [1e-300, 1e-31, 1e-30, 1e-20, 0.3, 0.7, 1.0, 1.5, 1e20, 1e30, 1e31, 1e300, np.inf]
+
+
+def the_definition(logits, params, token_index):
+    """sample_token as its rule reads, with the whole row stably sorted."""
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")[:params.top_k or None]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+        probs = probs[:keep] / probs[:keep].sum()
+    cdf = np.cumsum(probs)
+    return int(order[min(int(np.searchsorted(cdf, token_uniform(params.seed, token_index) * cdf[-1], side="right")),
+                         len(order) - 1)])
+
+
+@settings(max_examples=400, deadline=None)
+@given(values=st.lists(st.sampled_from(SPECIAL) | st.floats(-4, 4, width=32), min_size=1, max_size=60),
+       spread=st.sampled_from([1, 0, 5000]), dtype=st.sampled_from([np.float32, np.float64]),
+       temperature=st.sampled_from(TEMPERATURES), k=st.integers(0, 70), top_p=st.sampled_from([1.0, 0.9, 0.3]),
+       seed=st.integers(0, 2**64 - 1))
+def test_sampling_order_and_draw_are_the_stable_sorts(values, spread, dtype, temperature, k, top_p, seed):
+    """Ties, +-0, infinities, NaN, subnormals and the largest float32s, at temperatures inside and outside
+    the range where a float32 row is ranked on its own values; rows padded with 5000 random values go
+    through the partition and the key sort at a size where they pay: the ids must be exactly the
+    stable argsort's, and the drawn token the one the definition draws."""
+    rng = np.random.default_rng(seed % 2**32)
+    row = np.concatenate([np.array(values), rng.standard_normal(spread if spread > 1 else 0)]).astype(dtype)
+    row = row if spread else np.repeat(row, 3)  # spread 0: every value three times, tied
+    want = np.argsort(-(row.astype(np.float64) / temperature), kind="stable")
+    with np.errstate(all="ignore"):
+        assert sampling_order(row, temperature, k).tolist() == (want[:k] if k else want).tolist()
+        params = SamplingParams(temperature=temperature, top_k=k, top_p=top_p, seed=seed)
+        for index in (0, 7):
+            assert sample_token(row, params, index) == the_definition(row, params, index)
 
 
 @given(seed=st.integers(-2**63, 2**64 - 1), index=st.integers(0, 2**20))

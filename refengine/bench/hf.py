@@ -1,6 +1,7 @@
 """The same decode workload through HF transformers on CPU (the `parity` extra), for a side-by-side ratio.
 
-One `generate` call over all prompts at once (they have equal lengths, so no padding), greedy, and
+One `generate` call over all prompts at once (they have equal lengths, so no padding), greedy or
+sampling as the requests do (HF's own sampler and random numbers: the same work, other tokens), and
 forced to produce exactly max_tokens each. A logits processor stamps the time after every forward,
 so decode throughput excludes the prefill exactly as it does for the engine.
 """
@@ -26,7 +27,10 @@ def hf_decode(model_dir, requests: list[BenchRequest]) -> dict:
 
     lengths = {len(r.prompt_ids) for r in requests}
     max_tokens = {r.max_tokens for r in requests}
-    assert len(lengths) == 1 and len(max_tokens) == 1, "hf_decode takes equal prompt lengths and max_tokens"
+    samplers = {tuple(sorted((k, v) for k, v in (r.sampling or {}).items() if k != "seed")) for r in requests}
+    assert len(lengths) == len(max_tokens) == len(samplers) == 1, \
+        "hf_decode takes equal prompt lengths, max_tokens and samplers"
+    sampler = dict(samplers.pop())
     stamps: list[float] = []
 
     class Stamp(LogitsProcessor):
@@ -39,7 +43,8 @@ def hf_decode(model_dir, requests: list[BenchRequest]) -> dict:
     new_tokens = max_tokens.pop()
     started = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        torch.manual_seed(0)
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=bool(sampler), **sampler,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        logits_processor=LogitsProcessorList([Stamp()]),
                        pad_token_id=0)  # nothing is padded; generate only wants some id

@@ -13,6 +13,7 @@ import numpy as np
 from ..engine import MODES
 from ..errors import RefengineError
 from ..model import Model
+from ..sampling import SamplingParams
 from .interleaved import batch1_vs_bandwidth, interleaved_ratio
 from .kestrel import kestrel_report, run_kestrel
 from .reference import print_reference, reference_report, refresh_cases, run_reference
@@ -44,6 +45,9 @@ class BenchSettings:
     plot: str | None = None        # a PNG of step time and tok/s vs batch size
     prompts: str | None = None     # the reference scenario's prompt file (default: the shipped seed set)
     examples: int | None = None    # the suite scenario's examples per property (default: the dev profile's)
+    # The decode scenario's sampler (SamplingParams' temperature, top_k, top_p; each request seeded by
+    # its index); None decodes greedily.
+    sampler: dict | None = None
 
     def __post_init__(self):
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -57,6 +61,10 @@ class BenchSettings:
                 raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if any(b < 1 for b in self.batch_sizes):
             raise RefengineError(f"batch_sizes: batch sizes must be positive, got {list(self.batch_sizes)}")
+        if self.sampler is not None:
+            if not self.sampler.get("temperature", 0) > 0:
+                raise RefengineError(f"temperature: a sampler needs a temperature > 0, got {self.sampler}")
+            SamplingParams(**self.sampler, seed=0)  # RefengineError naming the field
 
     @property
     def new_tokens(self) -> int:
@@ -73,9 +81,11 @@ def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | No
     """The batch sweep, the goal batch interleaved with serial per mode, batch 1 interleaved with
     bandwidth reads, and with --hf the same workload through HF transformers."""
     modes = list(args.modes)
-    sweep = batch_sweep(model, modes, args.sweep, args.prompt_len, args.new_tokens, args.serial_requests)
-    workload = random_requests(model, args.requests, args.prompt_len, args.new_tokens)
-    serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.new_tokens)
+    sweep = batch_sweep(model, modes, args.sweep, args.prompt_len, args.new_tokens, args.serial_requests,
+                        args.sampler)
+    workload = random_requests(model, args.requests, args.prompt_len, args.new_tokens, sampler=args.sampler)
+    serial_workload = random_requests(model, args.serial_requests, args.prompt_len, args.new_tokens,
+                                      sampler=args.sampler)
     interleaved = {mode: interleaved_ratio(model, mode, workload, serial_workload) for mode in modes}
     batch1 = batch1_vs_bandwidth(model, serial_workload)
     if not args.hf:
@@ -83,7 +93,8 @@ def _run_decode(model, args: BenchSettings) -> tuple[dict, dict, dict, dict | No
     from .hf import hf_decode
     return sweep, interleaved, batch1, {"batched": hf_decode(model.path, workload),
                                 "serial": hf_decode(model.path, random_requests(model, 1, args.prompt_len,
-                                                                                args.new_tokens))}
+                                                                                args.new_tokens,
+                                                                                sampler=args.sampler))}
 
 
 def _decode(model, args: BenchSettings, sweep, interleaved, batch1, hf, machine, roofline) -> dict:
@@ -205,7 +216,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
               "machine": machine.to_json() | {"cpu": platform.processor() or platform.machine()},
               "numpy": np.__version__, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
-                                                    "max_tokens": args.new_tokens}}
+                                                    "max_tokens": args.new_tokens,
+                                                    "sampling": args.sampler or "greedy"}}
     if decode is not None:
         report["decode"] = _decode(model, args, *decode, machine, roofline)
     if kestrel is not None:
@@ -227,6 +239,11 @@ def print_report(report: dict) -> None:
           f"{machine['sgemm_flops'] / 1e9:.0f} GFLOP/s; weight read {weight_bytes / machine['bandwidth'] * 1e3:.1f} ms; "
           f"load average {machine['load_average']:.2f} before, {report['load_average_after']:.2f} after")
     if "decode" in report:
+        workload = report["workload"]
+        sampling = workload["sampling"]
+        print(f"decode: {workload['requests']} requests, prompt {workload['prompt_len']}, {workload['max_tokens']} "
+              f"new tokens each, " + ("greedy" if sampling == "greedy" else "sampled with " + ", ".join(
+                  f"{k} {v}" for k, v in sampling.items()) + ", request i seeded with i"))
         _print_decode(report["decode"])
     if "kestrel" in report:
         _print_kestrel(report["kestrel"])

@@ -2,7 +2,8 @@
 
 "Serial" is always the same engine with max_num_seqs=1 in fast mode -- the fastest serial -- so no
 mode can look good by slowing its own baseline down. Requests ignore eos so every run does exactly
-the work asked for. Decode throughput counts only steps in which every scheduled chunk is a decode.
+the work asked for. They decode greedily unless given a sampler (temperature, top_k, top_p), which
+each request then samples with, seeded by its index. Decode throughput counts only steps in which every scheduled chunk is a decode.
 """
 from __future__ import annotations
 
@@ -48,13 +49,21 @@ class BenchRequest:
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
+    sampling: dict | None = None  # SamplingParams fields (temperature, top_k, top_p, seed); None: greedy
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, **(self.sampling or {}))
 
 
-def random_requests(model: Model, count: int, prompt_len: int, max_tokens: int, seed: int = 0) -> list[BenchRequest]:
-    """Prompts of ids the tokenizer knows, the same for every run with the same seed."""
+def random_requests(model: Model, count: int, prompt_len: int, max_tokens: int, seed: int = 0,
+                    sampler: dict | None = None) -> list[BenchRequest]:
+    """Prompts of ids the tokenizer knows, the same for every run with the same seed; with a `sampler`
+    (temperature, top_k, top_p), request i samples with it and seed i."""
     rng = np.random.default_rng(seed)
     high = min(model.config.vocab_size, model.tokenizer.vocab_size)
-    return [BenchRequest(f"r{i}", rng.integers(0, high, prompt_len).tolist(), max_tokens) for i in range(count)]
+    return [BenchRequest(f"r{i}", rng.integers(0, high, prompt_len).tolist(), max_tokens,
+                         None if sampler is None else {**sampler, "seed": i}) for i in range(count)]
 
 
 def _percentiles(seconds: list[float]) -> dict[str, float | None]:
@@ -109,7 +118,7 @@ def start_engine(model: Model, requests: list[BenchRequest], mode: str, max_num_
                           max_num_batched_tokens=max(max_num_batched_tokens, max_model_len))
     engine = LLMEngine(model, config, digest_logits=False)  # a serving engine's work: nothing here reads digests
     for r in requests:
-        engine.add_request(r.request_id, r.prompt_ids, params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+        engine.add_request(r.request_id, r.prompt_ids, params=r.params)
     return engine
 
 
@@ -150,13 +159,13 @@ def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_
 
 
 def batch_sweep(model: Model, modes: list[str], batch_sizes: list[int], prompt_len: int, max_tokens: int,
-                serial_requests: int) -> dict[str, dict[int, RunStats]]:
+                serial_requests: int, sampler: dict | None = None) -> dict[str, dict[int, RunStats]]:
     """For each mode and batch size B: B concurrent requests. B=1 runs `serial_requests` requests one
     after another, and always in fast mode too: that run is the serial baseline."""
     results: dict[str, dict[int, RunStats]] = {mode: {} for mode in dict.fromkeys(["fast", *modes])}
     for batch in sorted(set(batch_sizes) | {1}):
         for mode in (results if batch == 1 else modes):
             count = serial_requests if batch == 1 else batch
-            requests = random_requests(model, count, prompt_len, max_tokens)
+            requests = random_requests(model, count, prompt_len, max_tokens, sampler=sampler)
             results[mode][batch] = run_requests(model, requests, mode, batch, label=f"{mode} B={batch}")
     return results

@@ -11,10 +11,20 @@ from ..bench.report import (
 )
 from ..bench.workloads import preset_model_dir
 from ..engine import MODES
+from ..errors import RefengineError
 from ..model import load_model
 from ..model.cache import default_model_dir
 from ..model.tiny import PRESETS
 from .common import parse_ids, print_json
+
+
+def _sampler(args) -> dict | None:
+    if args.temperature is None:
+        if args.top_k is not None or args.top_p is not None:
+            raise RefengineError("--top-k/--top-p: sampling needs --temperature")
+        return None
+    return {"temperature": args.temperature, "top_k": 0 if args.top_k is None else args.top_k,
+            "top_p": 1.0 if args.top_p is None else args.top_p}
 
 
 def run(args) -> int:
@@ -23,7 +33,8 @@ def run(args) -> int:
         serial_requests=args.serial_requests, modes=tuple(MODES) if args.mode == "both" else (args.mode,),
         batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
         scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot,
-        prompts=args.prompts, examples=args.examples)
+        prompts=args.prompts, examples=args.examples,
+        sampler=_sampler(args))
     model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
     report = run_bench(model, settings)
     if args.json:
@@ -51,6 +62,10 @@ def register(subparsers) -> None:
                         "would decode (default: the shipped seed set, golden/prompts/seed-experiment.jsonl)")
     parser.add_argument("--examples", type=int, help="suite scenario: examples per property (default: the dev "
                         "profile's); the suite always runs on the default tiny model")
+    parser.add_argument("--temperature", type=float, help="decode scenario: sample at this temperature, request i "
+                        "seeded with i (default: greedy)")
+    parser.add_argument("--top-k", type=int, help="with --temperature (default 0: off)")
+    parser.add_argument("--top-p", type=float, help="with --temperature (default 1.0: off)")
     parser.add_argument("--hf", action="store_true", help="also run the decode workload through HF transformers")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of step time and tok/s vs batch size")
     parser.add_argument("--json", action="store_true", help="print everything as JSON")
