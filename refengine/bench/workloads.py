@@ -3,7 +3,8 @@
 "Serial" is always the same engine with max_num_seqs=1 in fast mode -- the fastest serial -- so no
 mode can look good by slowing its own baseline down. Requests ignore eos so every run does exactly
 the work asked for. They decode greedily unless given a sampler (temperature, top_k, top_p), which
-each request then samples with, seeded by its index. Decode throughput counts only steps in which every scheduled chunk is a decode.
+each request then samples with, seeded by its index. Decode throughput counts only steps in which
+every scheduled chunk is a decode.
 """
 from __future__ import annotations
 

@@ -33,8 +33,7 @@ def run(args) -> int:
         serial_requests=args.serial_requests, modes=tuple(MODES) if args.mode == "both" else (args.mode,),
         batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
         scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot,
-        prompts=args.prompts, examples=args.examples,
-        sampler=_sampler(args))
+        prompts=args.prompts, examples=args.examples, sampler=_sampler(args))
     model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
     report = run_bench(model, settings)
     if args.json:
