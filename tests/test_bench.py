@@ -186,16 +186,18 @@ def test_plot_is_a_png(report):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_hf_runs_the_same_workload_beside_the_engine(tmp_path):
+@pytest.mark.parametrize("sampler", [[], ["--temperature", 1.0]])  # greedy; sampled over every id (HF's top_k 0)
+def test_hf_runs_the_same_workload_beside_the_engine(tmp_path, sampler):
     pytest.importorskip("transformers")
     args = ["bench", "--requests", 2, "--prompt-len", PROMPT_LEN, "--max-tokens", MAX_TOKENS, "--serial-requests", 1,
-            "--mode", "fast", "--hf", "--json"]
+            "--mode", "fast", "--hf", "--json", *sampler]
     done = subprocess.run([sys.executable, "-m", "refengine", *map(str, args)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
     decode = json.loads(done.stdout)["decode"]
     hf, rows = decode["hf"], {row["batch"]: row for row in decode["rows"]}
     assert hf["batched"]["decode_tok_s"] > 0 and hf["serial"]["decode_tok_s"] > 0
+    assert hf["batched"]["sampling"] == ({"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampler else "greedy")
     assert hf["engine_vs_hf"]["batched_fast"] == pytest.approx(rows[2]["decode_tok_s"] / hf["batched"]["decode_tok_s"])
     assert hf["engine_vs_hf"]["serial"] == pytest.approx(rows[1]["decode_tok_s"] / hf["serial"]["decode_tok_s"])
 

@@ -53,4 +53,4 @@ def hf_decode(model_dir, requests: list[BenchRequest]) -> dict:
     decode_tokens = len(requests) * (len(stamps) - 1)
     return {"batch": len(requests), "wall_s": wall, "prefill_s": stamps[0] - started, "decode_s": decode_s,
             "decode_tokens": decode_tokens, "decode_tok_s": decode_tokens / decode_s if decode_s else float("nan"),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "sampling": sampler or "greedy"}
