@@ -85,21 +85,27 @@ def token_logprobs(logits: np.ndarray, token: int | None, k: int) -> tuple[float
     return ranked_logprobs(log_softmax(logits.astype(np.float64)), token, k)
 
 
+def _largest_ids(values: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest `values` (k > 0), descending, lower id first on ties, NaN last:
+    np.argsort(-values, kind="stable")[:k]. Only the values at or above the k-th largest can rank, so
+    only they are sorted (a partition is linear; a whole-row sort per token is not); where fewer than k
+    values are not NaN (NaN partitions above everything, but ranks below it) the whole row is sorted."""
+    if k < len(values):
+        negated = -values
+        kth = np.partition(negated, k - 1)[k - 1]
+        candidates = np.flatnonzero(negated <= kth)  # every id the first k can hold; never a NaN
+        if len(candidates) >= k:
+            return candidates[np.argsort(negated[candidates], kind="stable")[:k]]
+    return np.argsort(-values, kind="stable")[:k]
+
+
 def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
     """From a row of log-probabilities: `token`'s (None for no token) and the k most likely ids with
-    theirs, ties broken by lower id. Only the values at or above the k-th largest can rank, so only
-    they are sorted (a partition is linear; a full-vocabulary sort per token is not); where fewer than
-    k values qualify (NaNs partition above everything, but rank below it) the whole row is sorted."""
+    theirs, ties broken by lower id."""
     own = None if token is None else float(logprobs[token])
     if k <= 0:
         return own, []
-    candidates = np.arange(len(logprobs))
-    if k < len(logprobs):
-        kth = np.partition(logprobs, len(logprobs) - k)[len(logprobs) - k]
-        above = np.flatnonzero(logprobs >= kth)
-        candidates = above if len(above) >= k else candidates
-    order = candidates[np.lexsort((candidates, -logprobs[candidates]))][:k]
-    return own, [(int(i), float(logprobs[i])) for i in order]
+    return own, [(int(i), float(logprobs[i])) for i in _largest_ids(logprobs, k)]
 
 
 _PHILOX = threading.local()  # token_uniform's generator, one per thread
@@ -129,20 +135,16 @@ def sampling_order(logits: np.ndarray, temperature: float, k: int = 0) -> np.nda
     """The ids of `logits` by logits / temperature (float64) descending, lower id first on ties, NaN last:
     np.argsort(-(logits.astype(np.float64) / temperature), kind="stable"), only its first k where k > 0.
     A float32 row at an order-safe temperature is ranked on its own values instead, which is the same
-    order: the k first through a partition (ties at the k-th value kept, then sorted), the whole row
-    as one sort of unique 64-bit keys (order bits above the id), which numpy sorts with its vectorized
-    quicksort: a stable sort of a real vocabulary per sampled token cost a large batch more than
-    everything in its step but the products (README, Performance)."""
+    order: the k first as _largest_ids finds them, the whole row as one sort of unique 64-bit keys
+    (order bits above the id), which numpy sorts with its vectorized quicksort: a stable sort of a real
+    vocabulary per sampled token cost a large batch more than everything in its step but the products
+    (README, Performance)."""
     n = len(logits)
     if logits.dtype != np.float32 or not ORDER_SAFE_TEMPERATURES[0] <= temperature <= ORDER_SAFE_TEMPERATURES[1]:
         order = np.argsort(-(logits.astype(np.float64) / temperature), kind="stable")
         return order[:k] if k else order
     if 0 < k < n:
-        negated = -logits
-        kth = np.partition(negated, k - 1)[k - 1]
-        candidates = np.flatnonzero(negated <= kth)  # every id the first k can hold; never a NaN
-        if len(candidates) >= k:  # else fewer than k values are not NaN
-            return candidates[np.argsort(negated[candidates], kind="stable")[:k]]
+        return _largest_ids(logits, k)
     bits = (logits + np.float32(0)).view(np.uint32)  # -0.0 as +0.0: they tie
     descending = bits ^ (((bits >> np.uint32(31)) - np.uint32(1)) & np.uint32(0x7fffffff))  # bigger value, smaller
     descending[np.isnan(logits)] = 0xffffffff
