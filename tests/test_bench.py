@@ -210,7 +210,9 @@ def test_a_sampled_workload_samples_each_request_with_its_own_seed():
     model = tiny_model(DEFAULT_MODEL)
     sampler = {"temperature": 1.5, "top_k": 40, "top_p": 0.9}
     requests = random_requests(model, 3, PROMPT_LEN, MAX_TOKENS, sampler=sampler)
-    batched = start_engine(model, requests, "invariant", 3).run()
+    engine = start_engine(model, requests, "invariant", 3)
+    batched = engine.run()
+    assert max(len(step["scheduled"]) for step in engine.trace) == 3  # they did run together
     greedy = start_engine(model, random_requests(model, 3, PROMPT_LEN, MAX_TOKENS), "invariant", 3).run()
     for i, r in enumerate(requests):
         alone = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1))
