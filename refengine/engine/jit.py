@@ -44,6 +44,9 @@ if config.CPU_FEATURES is None:
     import llvmlite.binding as llvm
 
     config.CPU_FEATURES = llvm.get_host_cpu_features().flatten() + ",-prefer-256-bit"
+# Whether the kernels are compiled for 512-bit vectors, and so 32 vector registers: packed.py sizes its
+# loop bodies to the registers there are.
+WIDE_VECTORS = "+avx512f" in config.CPU_FEATURES.split(",")
 
 OPTIONS = {"cache": True, "nogil": True, "error_model": "numpy"}
 

@@ -12,25 +12,47 @@ order, starting from zero:
 
     y[r, o] = fma(x[r, K-1], w[o, K-1], ... fma(x[r, 1], w[o, 1], fma(x[r, 0], w[o, 0], 0)))
 
-Outputs go in blocks of 32, split between threads. A single row runs a one-row body over four
-blocks at once; two to four rows a four-row body over two blocks (two weight streams per thread
-read memory faster than one); more rows go in groups of eight per block, a last group of one in
-the one-row body, a smaller last group repeating its last row. None of this changes any element's
-chain. The rows of a group are separate chains (the same instructions on
-other registers). Vector lanes are separate outputs. No chain is split or reordered, and every step
-is an explicit fma (jit.py). tests/test_packed.py checks every row of batches of 1-33 rows, at every
-position, threaded and not, against the row alone and against float64.
+One loop body (`_chains`) computes such chains for a few rows over a few blocks at once. Outputs go
+in blocks of 32, split between threads. With 512-bit vectors a single row runs over four blocks at
+once, two to four rows over two blocks (several weight streams per thread read memory faster than
+one), and more rows go in groups of eight per block (narrower vectors: GROUP, ONE_ROW_BLOCKS); a last
+group of one runs alone, a smaller last group repeats its last row. None of this changes any
+element's chain. The rows and blocks of a body are separate chains (the same instructions on other
+registers), vector lanes are separate outputs, and every step is one fma per lane (llvm.fma: one
+rounding). No chain is split or reordered. tests/test_packed.py checks every row of batches of 1-33
+rows, at every position, threaded and not, against the row alone and against float64.
+
+Why the body is LLVM IR written here rather than a numba loop: numba's accumulators live in an
+array, and LLVM cannot keep an array in registers across the input loop, so the numba body loaded
+and stored every accumulator at every step. Why it prefetches: a thread reading one block from
+memory waits on each cache line, far below the bandwidth that several streams get. So each step
+prefetches AHEAD input positions ahead in every block it reads; and where a batch's rows take several
+passes over a block (the later ones from cache), the second and third passes fetch the thread's next
+block instead, so that its first pass need not wait for memory.
+benchmarks/test_bench_kernels.py measures the products against numpy's BLAS.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .jit import fma, jit
+from .jit import WIDE_VECTORS, jit
 
 BLOCK = 32  # outputs per block: two 512-bit vectors per row
+LANES = 16  # float32 lanes of a 512-bit vector; on a narrower CPU LLVM splits each vector (same bits)
+# A body's accumulators must fit the vector registers, with room for the weights it reads: up to
+# sixteen 512-bit vectors of 32 (eight rows of a block, four rows of two blocks; a row of four blocks
+# takes eight), or eight 256-bit ones of 16 (two rows of a block, a row of two blocks). tests/test_packed.py checks
+# that a narrower CPU's build gives the same bits.
+GROUP = 8 if WIDE_VECTORS else 2
+ONE_ROW_BLOCKS = 4 if WIDE_VECTORS else 2
+AHEAD = 32  # input positions the prefetch runs ahead in a block's stream (4 KB)
+LINE = 16   # floats per 64-byte cache line
 # Below this many weight bytes a product runs on the calling thread: a second thread cannot pay for
 # its wake-up there, and when every core is busy (a test run on all cores) the wake-up can cost a
 # whole scheduler slice.
@@ -74,127 +96,144 @@ def matmul(x: np.ndarray, weight: PackedWeight) -> np.ndarray:
     return out if out.shape[1] == weight.out_features else np.ascontiguousarray(out[:, :weight.out_features])
 
 
+@intrinsic
+def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch_at, prefetch_step):
+    """out[rows[k], block_ids[j] * BLOCK:(block_ids[j] + 1) * BLOCK] for k < count and j < nblocks: the
+    chains of the module docstring, len(rows) * len(block_ids) * BLOCK / LANES accumulators, each a
+    vector value in a register. Step i also prefetches, in every block it reads, the two cache lines
+    at prefetch_at + i * prefetch_step floats from that block's start. x, blocks and out: float32, C
+    order; rows and block_ids: tuples of indices (a short group repeats its last)."""
+    arrays = (x, blocks, out)
+    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+            and isinstance(rows, types.BaseTuple) and isinstance(block_ids, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        i32, i8p = ir.IntType(32), ir.IntType(8).as_pointer()
+        vec = ir.VectorType(ir.FloatType(), LANES)
+        halves = BLOCK // LANES
+
+        def index(k):
+            return context.cast(builder, args[k], signature.args[k], types.intp)
+
+        def indices(k):
+            values = cgutils.unpack_tuple(builder, args[k])
+            return [context.cast(builder, v, t, types.intp) for v, t in zip(values, signature.args[k])]
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        def at(pointer, offset):
+            return builder.gep(pointer, [offset])
+
+        def vector(pointer):
+            return builder.bitcast(pointer, vec.as_pointer())
+
+        xa, ba, oa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3]))
+        row_ids, count, ids, nblocks = indices(3), index(4), indices(5), index(6)
+        prefetch_at, prefetch_step = index(7), index(8)
+        size = cgutils.unpack_tuple(builder, xa.shape)[1]
+        width = cgutils.unpack_tuple(builder, oa.shape)[1]
+        starts = [at(ba.data, builder.mul(builder.mul(b, size), const(BLOCK))) for b in ids]  # [in, BLOCK] each
+        x_rows = [at(xa.data, builder.mul(r, size)) for r in row_ids]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{LANES}f32")
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        zero, undef = ir.Constant(vec, [0.0] * LANES), ir.Constant(vec, ir.Undefined)
+        broadcast = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+
+        entry = builder.basic_block
+        loop, done = builder.append_basic_block("chains.step"), builder.append_basic_block("chains.done")
+        builder.cbranch(builder.icmp_signed(">", size, const(0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(intp)                                      # the input index
+        acc = [builder.phi(vec) for _ in range(len(x_rows) * len(starts) * halves)]
+        weights = []                                               # [block][half] of input row i
+        for start in starts:
+            row = at(start, builder.mul(i, const(BLOCK)))
+            weights.append([builder.load(vector(at(row, const(h * LANES))), align=4) for h in range(halves)])
+            ahead = at(start, builder.add(prefetch_at, builder.mul(i, prefetch_step)))
+            for h in range(halves):  # read, keep in every cache level (llvm.prefetch's arguments)
+                builder.call(prefetch, [builder.bitcast(at(ahead, const(h * LANES)), i8p), i32(0), i32(3), i32(1)])
+        stepped = []
+        for x_row in x_rows:
+            scalar = builder.insert_element(undef, builder.load(at(x_row, i), align=4), i32(0))
+            xi = builder.shuffle_vector(scalar, undef, broadcast)
+            for block in weights:
+                for w in block:
+                    stepped.append(builder.call(fma, [xi, w, acc[len(stepped)]]))
+        following = builder.add(i, const(1))
+        i.add_incoming(const(0), entry)
+        i.add_incoming(following, loop)
+        for a, s in zip(acc, stepped):
+            a.add_incoming(zero, entry)
+            a.add_incoming(s, loop)
+        builder.cbranch(builder.icmp_signed("<", following, size), loop, done)
+
+        builder.position_at_end(done)
+        results = []
+        for s in stepped:
+            results.append(builder.phi(vec))
+            results[-1].add_incoming(zero, entry)
+            results[-1].add_incoming(s, loop)
+        k = 0
+        for n, r in enumerate(row_ids):
+            for j, b in enumerate(ids):
+                wanted = builder.and_(builder.icmp_signed("<", const(n), count),
+                                      builder.icmp_signed("<", const(j), nblocks))
+                with builder.if_then(wanted):
+                    dest = at(oa.data, builder.add(builder.mul(r, width), builder.mul(b, const(BLOCK))))
+                    for h in range(halves):
+                        builder.store(results[k + h], vector(at(dest, const(h * LANES))), align=4)
+                k += halves
+        return context.get_dummy_value()
+    return types.void(x, blocks, out, rows, count, block_ids, nblocks, prefetch_at, prefetch_step), codegen
+
+
 @jit
-def _block(x, blocks, out, b):
-    """Output block b of every row: the chains of the module docstring, eight rows at a time (sixteen
-    accumulators: enough independent chains to keep both fma units busy)."""
+def _groups(x, blocks, out, b):
+    """Output block b of every row, GROUP rows at a time. The first group reads the block from memory,
+    prefetching ahead in it; the second and third read it from cache and fetch the next block (the
+    thread's next task), half each."""
     rows, size = x.shape
-    whole = size - size % 4
-    for r0 in range(0, rows, 8):
-        if rows - r0 == 1:
-            _one_row_blocks(x, blocks, out, b, 1, r0)
-            continue
-        last = rows - 1
-        r1, r2, r3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
-        r4, r5, r6, r7 = min(r0 + 4, last), min(r0 + 5, last), min(r0 + 6, last), min(r0 + 7, last)
-        acc = np.zeros((8, BLOCK), dtype=np.float32)
-        for i in range(0, whole, 4):
-            i1, i2, i3 = i + 1, i + 2, i + 3
-            for o in range(BLOCK):
-                w0, w1, w2, w3 = blocks[b, i, o], blocks[b, i1, o], blocks[b, i2, o], blocks[b, i3, o]
-                acc[0, o] = fma(x[r0, i3], w3, fma(x[r0, i2], w2, fma(x[r0, i1], w1, fma(x[r0, i], w0, acc[0, o]))))
-                acc[1, o] = fma(x[r1, i3], w3, fma(x[r1, i2], w2, fma(x[r1, i1], w1, fma(x[r1, i], w0, acc[1, o]))))
-                acc[2, o] = fma(x[r2, i3], w3, fma(x[r2, i2], w2, fma(x[r2, i1], w1, fma(x[r2, i], w0, acc[2, o]))))
-                acc[3, o] = fma(x[r3, i3], w3, fma(x[r3, i2], w2, fma(x[r3, i1], w1, fma(x[r3, i], w0, acc[3, o]))))
-                acc[4, o] = fma(x[r4, i3], w3, fma(x[r4, i2], w2, fma(x[r4, i1], w1, fma(x[r4, i], w0, acc[4, o]))))
-                acc[5, o] = fma(x[r5, i3], w3, fma(x[r5, i2], w2, fma(x[r5, i1], w1, fma(x[r5, i], w0, acc[5, o]))))
-                acc[6, o] = fma(x[r6, i3], w3, fma(x[r6, i2], w2, fma(x[r6, i1], w1, fma(x[r6, i], w0, acc[6, o]))))
-                acc[7, o] = fma(x[r7, i3], w3, fma(x[r7, i2], w2, fma(x[r7, i1], w1, fma(x[r7, i], w0, acc[7, o]))))
-        for i in range(whole, size):
-            for o in range(BLOCK):
-                w = blocks[b, i, o]
-                acc[0, o] = fma(x[r0, i], w, acc[0, o])
-                acc[1, o] = fma(x[r1, i], w, acc[1, o])
-                acc[2, o] = fma(x[r2, i], w, acc[2, o])
-                acc[3, o] = fma(x[r3, i], w, acc[3, o])
-                acc[4, o] = fma(x[r4, i], w, acc[4, o])
-                acc[5, o] = fma(x[r5, i], w, acc[5, o])
-                acc[6, o] = fma(x[r6, i], w, acc[6, o])
-                acc[7, o] = fma(x[r7, i], w, acc[7, o])
-        for rr in range(min(8, rows - r0)):
-            for o in range(BLOCK):
-                out[r0 + rr, b * BLOCK + o] = acc[rr, o]
-
-
-@jit
-def _one_row_blocks(x, blocks, out, b, count, r):
-    """Row r's part of output blocks b..b+count-1 (count <= 4): the same chains as _block's, for one
-    row; up to four blocks at once, for eight independent chains."""
-    size = x.shape[1]
-    whole = size - size % 4
-    b1, b2, b3 = b + min(1, count - 1), b + min(2, count - 1), b + min(3, count - 1)
-    blocks0, blocks1, blocks2, blocks3 = blocks[b], blocks[b1], blocks[b2], blocks[b3]
-    acc = np.zeros((4, BLOCK), dtype=np.float32)
-    for i in range(0, whole, 4):
-        x0, x1, x2, x3 = x[r, i], x[r, i + 1], x[r, i + 2], x[r, i + 3]
-        i1, i2, i3 = i + 1, i + 2, i + 3
-        for o in range(BLOCK):
-            acc[0, o] = fma(x3, blocks0[i3, o], fma(x2, blocks0[i2, o],
-                                                    fma(x1, blocks0[i1, o], fma(x0, blocks0[i, o], acc[0, o]))))
-            acc[1, o] = fma(x3, blocks1[i3, o], fma(x2, blocks1[i2, o],
-                                                    fma(x1, blocks1[i1, o], fma(x0, blocks1[i, o], acc[1, o]))))
-            acc[2, o] = fma(x3, blocks2[i3, o], fma(x2, blocks2[i2, o],
-                                                    fma(x1, blocks2[i1, o], fma(x0, blocks2[i, o], acc[2, o]))))
-            acc[3, o] = fma(x3, blocks3[i3, o], fma(x2, blocks3[i2, o],
-                                                    fma(x1, blocks3[i1, o], fma(x0, blocks3[i, o], acc[3, o]))))
-    for i in range(whole, size):
-        for o in range(BLOCK):
-            acc[0, o] = fma(x[r, i], blocks0[i, o], acc[0, o])
-            acc[1, o] = fma(x[r, i], blocks1[i, o], acc[1, o])
-            acc[2, o] = fma(x[r, i], blocks2[i, o], acc[2, o])
-            acc[3, o] = fma(x[r, i], blocks3[i, o], acc[3, o])
-    for j in range(count):
-        for o in range(BLOCK):
-            out[r, (b + j) * BLOCK + o] = acc[j, o]
-
-
-@jit
-def _four_rows_two_blocks(x, blocks, out, b, count):
-    """Rows 0..3 of x (fewer repeat the last) for output blocks b..b+count-1 (count <= 2): the same
-    chains as _block's, two blocks at once -- two weight streams per thread, which a batch of two to
-    four rows needs to read memory as fast as a single row does."""
-    size, last = x.shape[1], x.shape[0] - 1
-    whole = size - size % 4
-    r1, r2, r3 = min(1, last), min(2, last), min(3, last)
-    blocks0, blocks1 = blocks[b], blocks[b + count - 1]
-    acc = np.zeros((8, BLOCK), dtype=np.float32)  # [block * 4 + row, o]
-    for i in range(0, whole, 4):
-        i1, i2, i3 = i + 1, i + 2, i + 3
-        for o in range(BLOCK):
-            for j in range(2):
-                w = blocks0 if j == 0 else blocks1
-                w0, w1, w2, w3 = w[i, o], w[i1, o], w[i2, o], w[i3, o]
-                acc[4 * j, o] = fma(x[0, i3], w3, fma(x[0, i2], w2, fma(x[0, i1], w1, fma(x[0, i], w0, acc[4 * j, o]))))
-                acc[4 * j + 1, o] = fma(x[r1, i3], w3, fma(x[r1, i2], w2,
-                                                   fma(x[r1, i1], w1, fma(x[r1, i], w0, acc[4 * j + 1, o]))))
-                acc[4 * j + 2, o] = fma(x[r2, i3], w3, fma(x[r2, i2], w2,
-                                                   fma(x[r2, i1], w1, fma(x[r2, i], w0, acc[4 * j + 2, o]))))
-                acc[4 * j + 3, o] = fma(x[r3, i3], w3, fma(x[r3, i2], w2,
-                                                   fma(x[r3, i1], w1, fma(x[r3, i], w0, acc[4 * j + 3, o]))))
-    for i in range(whole, size):
-        for o in range(BLOCK):
-            for j in range(2):
-                w = blocks0[i, o] if j == 0 else blocks1[i, o]
-                acc[4 * j, o] = fma(x[0, i], w, acc[4 * j, o])
-                acc[4 * j + 1, o] = fma(x[r1, i], w, acc[4 * j + 1, o])
-                acc[4 * j + 2, o] = fma(x[r2, i], w, acc[4 * j + 2, o])
-                acc[4 * j + 3, o] = fma(x[r3, i], w, acc[4 * j + 3, o])
-    for j in range(count):
-        for r in range(last + 1):
-            for o in range(BLOCK):
-                out[r, (b + j) * BLOCK + o] = acc[4 * j + r, o]
+    last = rows - 1
+    for r0 in range(0, rows, GROUP):
+        group = r0 // GROUP
+        if group == 0:
+            prefetch_at, prefetch_step = AHEAD * BLOCK, BLOCK
+        elif group <= BLOCK // LINE and b + 1 < blocks.shape[0]:  # a line a step: a block's lines in two passes
+            prefetch_at, prefetch_step = size * BLOCK + (group - 1) * size * LINE, LINE
+        else:
+            prefetch_at, prefetch_step = 0, 0
+        if r0 == last:
+            _chains(x, blocks, out, (r0,), 1, (b,), 1, prefetch_at, prefetch_step)
+        elif WIDE_VECTORS:
+            _chains(x, blocks, out, (r0, min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last),
+                                     min(r0 + 4, last), min(r0 + 5, last), min(r0 + 6, last), min(r0 + 7, last)),
+                    rows - r0, (b,), 1, prefetch_at, prefetch_step)
+        else:
+            _chains(x, blocks, out, (r0, r0 + 1), 2, (b,), 1, prefetch_at, prefetch_step)
 
 
 @jit
 def _task(x, blocks, out, t):
-    """Task t of a product: for a single row, output blocks 4t..4t+3; for two to four rows, blocks
-    2t, 2t+1; else output block t of every row."""
-    if x.shape[0] == 1:
-        _one_row_blocks(x, blocks, out, 4 * t, min(4, blocks.shape[0] - 4 * t), 0)
-    elif x.shape[0] <= 4:
-        _four_rows_two_blocks(x, blocks, out, 2 * t, min(2, blocks.shape[0] - 2 * t))
+    """Task t of a product: for a single row, output blocks ONE_ROW_BLOCKS * t onwards; for two to
+    four rows on wide vectors, blocks 2t and 2t + 1; else output block t of every row."""
+    rows, last = x.shape[0], blocks.shape[0] - 1
+    if rows == 1:
+        b = ONE_ROW_BLOCKS * t
+        if WIDE_VECTORS:
+            ids = (b, min(b + 1, last), min(b + 2, last), min(b + 3, last))
+            _chains(x, blocks, out, (0,), 1, ids, last + 1 - b, AHEAD * BLOCK, BLOCK)
+        else:
+            _chains(x, blocks, out, (0,), 1, (b, min(b + 1, last)), last + 1 - b, AHEAD * BLOCK, BLOCK)
+    elif WIDE_VECTORS and rows <= 4:
+        b, r = 2 * t, rows - 1
+        _chains(x, blocks, out, (0, min(1, r), min(2, r), min(3, r)), rows, (b, min(b + 1, last)), last + 1 - b,
+                AHEAD * BLOCK, BLOCK)
     else:
-        _block(x, blocks, out, t)
+        _groups(x, blocks, out, t)
 
 
 @jit
@@ -212,5 +251,5 @@ def _product_threaded(x, blocks, out):
 @jit
 def _tasks(x, blocks):
     if x.shape[0] == 1:
-        return (blocks.shape[0] + 3) // 4
-    return (blocks.shape[0] + 1) // 2 if x.shape[0] <= 4 else blocks.shape[0]
+        return -(-blocks.shape[0] // ONE_ROW_BLOCKS)
+    return (blocks.shape[0] + 1) // 2 if WIDE_VECTORS and x.shape[0] <= 4 else blocks.shape[0]
