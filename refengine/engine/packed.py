@@ -138,8 +138,8 @@ def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch
         starts = [at(ba.data, builder.mul(builder.mul(b, size), const(BLOCK))) for b in ids]  # [in, BLOCK] each
         x_rows = [at(xa.data, builder.mul(r, size)) for r in row_ids]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{LANES}f32")
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        prefetch = builder.module.declare_intrinsic(  # named as numba names its own (llvm.memcpy's)
+            "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
         zero, undef = ir.Constant(vec, [0.0] * LANES), ir.Constant(vec, ir.Undefined)
         broadcast = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
 
