@@ -194,8 +194,8 @@ def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch
 @jit
 def _groups(x, blocks, out, b):
     """Output block b of every row, GROUP rows at a time. The first group reads the block from memory,
-    prefetching ahead in it; the second and third read it from cache and fetch the next block (the
-    thread's next task), half each."""
+    prefetching ahead in it; the second and third read it from cache and fetch block b + 1, half
+    each: the thread's next task, since prange hands each thread a contiguous range of tasks."""
     rows, size = x.shape
     last = rows - 1
     for r0 in range(0, rows, GROUP):
