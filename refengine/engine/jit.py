@@ -1,9 +1,9 @@
 """How the engine's compiled kernels (packed.py, paged_attention.py, kernels.py, exp.py, fused.py) are
 compiled: numba, for this CPU, with IEEE arithmetic exactly as written -- no fastmath flag, so no sum
 is reordered and no multiply and add are fused behind the code's back. Where a kernel wants an fma
-it says `fma(a, b, c)`, one rounding, on every path. (Left to the compiler, fusion depends on the
-context a function is inlined into: a product it can prove used twice stays unfused there, and that
-row gets other bits.)
+it says `fma(a, b, c)`, one rounding, on every path (packed.py's loop body, written as LLVM IR, calls
+llvm.fma itself). (Left to the compiler, fusion depends on the context a function is inlined into:
+a product it can prove used twice stays unfused there, and that row gets other bits.)
 Compiled code is cached on disk, so only the first process on a machine compiles: in numba's cache,
 under a folder named by a digest of this package's sources (cache_folder). numba checks a cached
 function against its own file only, and kernels call kernels of other files (fused.py calls them

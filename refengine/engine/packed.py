@@ -22,9 +22,9 @@ registers), vector lanes are separate outputs, and every step is one fma per lan
 rounding). No chain is split or reordered. tests/test_packed.py checks every row of batches of 1-33
 rows, at every position, threaded and not, against the row alone and against float64.
 
-Why the body is LLVM IR written here rather than a numba loop: numba's accumulators live in an
-array, and LLVM cannot keep an array in registers across the input loop, so the numba body loaded
-and stored every accumulator at every step. Why it prefetches: a thread reading one block from
+Why the body is LLVM IR written here rather than a numba loop: a numba body's accumulators live in
+an array, which LLVM cannot keep in registers across the input loop (the inputs might alias it), so
+that body loaded and stored every accumulator at every step. Why it prefetches: a thread reading one block from
 memory waits on each cache line, far below the bandwidth that several streams get. So each step
 prefetches AHEAD input positions ahead in every block it reads; and where a batch's rows take several
 passes over a block (the later ones from cache), the second and third passes fetch the thread's next
@@ -47,8 +47,8 @@ BLOCK = 32  # outputs per block: two 512-bit vectors per row
 LANES = 16  # float32 lanes of a 512-bit vector; on a narrower CPU LLVM splits each vector (same bits)
 # A body's accumulators must fit the vector registers, with room for the weights it reads: up to
 # sixteen 512-bit vectors of 32 (eight rows of a block, four rows of two blocks; a row of four blocks
-# takes eight), or eight 256-bit ones of 16 (two rows of a block, a row of two blocks). tests/test_packed.py checks
-# that a narrower CPU's build gives the same bits.
+# takes eight), or eight 256-bit ones of 16 (two rows of a block, a row of two blocks).
+# tests/test_packed.py checks that a narrower CPU's build gives the same bits.
 GROUP = 8 if WIDE_VECTORS else 2
 ONE_ROW_BLOCKS = 4 if WIDE_VECTORS else 2
 AHEAD = 32  # input positions the prefetch runs ahead in a block's stream (4 KB)
