@@ -113,6 +113,14 @@ def test_the_inputs_memory_order_does_not_matter():
     assert packed.matmul(np.ascontiguousarray(x)[::2], w).tobytes() == expected.tobytes()
 
 
+def test_inputs_of_another_width_are_refused():
+    """The compiled body indexes without bounds checks: a mismatch must not reach it."""
+    w = packed.pack(_case((100, 130))[0])
+    for x in (np.ones((4, 129), dtype=np.float32), np.ones((4, 131), dtype=np.float32), np.ones(130, dtype=np.float32)):
+        with pytest.raises(ValueError, match="130 inputs"):
+            packed.matmul(x, w)
+
+
 @pytest.mark.parametrize("shape", [(3, 2), (8224, 40)], ids=_name)
 def test_no_rows_give_no_rows(shape):
     y = packed.matmul(np.empty((0, shape[1]), dtype=np.float32), packed.pack(_case(shape)[0]))

@@ -90,6 +90,8 @@ def matmul(x: np.ndarray, weight: PackedWeight) -> np.ndarray:
     """x [rows, in] @ weight.T -> [rows, out] float32, C order."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     blocks = weight.blocks
+    if x.ndim != 2 or x.shape[1] != blocks.shape[1]:  # the compiled body reads x's rows without bounds
+        raise ValueError(f"packed.matmul: x of shape {x.shape} against a weight of {blocks.shape[1]} inputs")
     out = np.empty((x.shape[0], blocks.shape[0] * BLOCK), dtype=np.float32)
     if x.shape[0]:
         (_product_threaded if blocks.nbytes > THREADED_BYTES else _product)(x, blocks, out)
