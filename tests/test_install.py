@@ -1,11 +1,15 @@
 """refengine as users get it: a wheel built from this checkout, installed (not editable) into a fresh
 venv, used from an empty directory. The venv sees this interpreter's site-packages for the
-dependencies (the test must not need the network); refengine itself comes from the wheel only."""
+dependencies (the test must not need the network), through a .pth file rather than
+--system-site-packages, which would give the base interpreter's when this one is itself a venv's;
+refengine itself comes from the wheel only (the venv's own site-packages come first, and the
+editable install's hook, a .pth of this interpreter's, is not processed there)."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -28,8 +32,10 @@ def installed(tmp_path_factory):
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", work / "dist",
          source], cwd=work)
     wheel = next((work / "dist").glob("refengine-*.whl"))
-    run([sys.executable, "-m", "venv", "--system-site-packages", work / "venv"], cwd=work)
+    run([sys.executable, "-m", "venv", work / "venv"], cwd=work)
     bin_dir = work / "venv" / "bin"
+    purelib = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], work)
+    Path(purelib.stdout.strip(), "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=work)
     empty = work / "empty"
     empty.mkdir()
