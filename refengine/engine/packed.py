@@ -22,9 +22,8 @@ registers), vector lanes are separate outputs, and every step is one fma per lan
 rounding). No chain is split or reordered. tests/test_packed.py checks every row of batches of 1-33
 rows, at every position, threaded and not, against the row alone and against float64.
 
-Why the body is LLVM IR written here rather than a numba loop: a numba body's accumulators live in
-an array, which LLVM cannot keep in registers across the input loop (the inputs might alias it), so
-that body loaded and stored every accumulator at every step. Why it prefetches: a thread reading one block from
+The body is LLVM IR, so that its accumulators stay in registers (engine/ir.py says why numba's do
+not). Why it prefetches: a thread reading one block from
 memory waits on each cache line, far below the bandwidth that several streams get. So each step
 prefetches AHEAD input positions ahead in every block it reads; and where a batch's rows take several
 passes over a block (the later ones from cache), the second and third passes fetch the thread's next
@@ -36,15 +35,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .ir import LANES, ZERO, Emitter
 from .jit import WIDE_VECTORS, jit
 
 BLOCK = 32  # outputs per block: two 512-bit vectors per row
-LANES = 16  # float32 lanes of a 512-bit vector; on a narrower CPU LLVM splits each vector (same bits)
 # A body's accumulators must fit the vector registers, with room for the weights it reads: up to
 # sixteen 512-bit vectors of 32 (eight rows of a block, four rows of two blocks; a row of four blocks
 # takes eight), or eight 256-bit ones of 16 (two rows of a block, a row of two blocks).
@@ -111,83 +108,38 @@ def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch
         return None
 
     def codegen(context, builder, signature, args):
-        intp = context.get_value_type(types.intp)
-        i32, i8p = ir.IntType(32), ir.IntType(8).as_pointer()
-        vec = ir.VectorType(ir.FloatType(), LANES)
+        e = Emitter(context, builder, signature, args)
+        (xs, (_, size)), (bs, _), (outs, (_, width)) = e.array(0), e.array(1), e.array(2)
+        row_ids, count, ids, nblocks = e.indices(3), e.index(4), e.indices(5), e.index(6)
+        prefetch_at, prefetch_step = e.index(7), e.index(8)
         halves = BLOCK // LANES
+        starts = [e.at(bs, e.mul(b, size, e.const(BLOCK))) for b in ids]  # [in, BLOCK] each
+        x_rows = [e.at(xs, e.mul(r, size)) for r in row_ids]
 
-        def index(k):
-            return context.cast(builder, args[k], signature.args[k], types.intp)
+        def step(i, acc):
+            weights = []                                                   # [block][half] of input row i
+            for start in starts:
+                row = e.at(start, e.mul(i, e.const(BLOCK)))
+                weights.append([e.load(e.at(row, e.const(h * LANES))) for h in range(halves)])
+                ahead = e.at(start, e.add(prefetch_at, e.mul(i, prefetch_step)))
+                for h in range(halves):
+                    e.prefetch(e.at(ahead, e.const(h * LANES)))
+            stepped = []
+            for x_row in x_rows:
+                xi = e.splat(builder.load(e.at(x_row, i), align=4))
+                for block in weights:
+                    for w in block:
+                        stepped.append(e.fma(xi, w, acc[len(stepped)]))
+            return stepped
 
-        def indices(k):
-            values = cgutils.unpack_tuple(builder, args[k])
-            return [context.cast(builder, v, t, types.intp) for v, t in zip(values, signature.args[k])]
-
-        def const(v):
-            return ir.Constant(intp, v)
-
-        def at(pointer, offset):
-            return builder.gep(pointer, [offset])
-
-        def vector(pointer):
-            return builder.bitcast(pointer, vec.as_pointer())
-
-        xa, ba, oa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3]))
-        row_ids, count, ids, nblocks = indices(3), index(4), indices(5), index(6)
-        prefetch_at, prefetch_step = index(7), index(8)
-        size = cgutils.unpack_tuple(builder, xa.shape)[1]
-        width = cgutils.unpack_tuple(builder, oa.shape)[1]
-        starts = [at(ba.data, builder.mul(builder.mul(b, size), const(BLOCK))) for b in ids]  # [in, BLOCK] each
-        x_rows = [at(xa.data, builder.mul(r, size)) for r in row_ids]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{LANES}f32")
-        prefetch = builder.module.declare_intrinsic(  # named as numba names its own (llvm.memcpy's)
-            "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-        zero, undef = ir.Constant(vec, [0.0] * LANES), ir.Constant(vec, ir.Undefined)
-        broadcast = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-
-        entry = builder.basic_block
-        loop, done = builder.append_basic_block("chains.step"), builder.append_basic_block("chains.done")
-        builder.cbranch(builder.icmp_signed(">", size, const(0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(intp)                                      # the input index
-        acc = [builder.phi(vec) for _ in range(len(x_rows) * len(starts) * halves)]
-        weights = []                                               # [block][half] of input row i
-        for start in starts:
-            row = at(start, builder.mul(i, const(BLOCK)))
-            weights.append([builder.load(vector(at(row, const(h * LANES))), align=4) for h in range(halves)])
-            ahead = at(start, builder.add(prefetch_at, builder.mul(i, prefetch_step)))
-            for h in range(halves):  # read, keep in every cache level (llvm.prefetch's arguments)
-                builder.call(prefetch, [builder.bitcast(at(ahead, const(h * LANES)), i8p), i32(0), i32(3), i32(1)])
-        stepped = []
-        for x_row in x_rows:
-            scalar = builder.insert_element(undef, builder.load(at(x_row, i), align=4), i32(0))
-            xi = builder.shuffle_vector(scalar, undef, broadcast)
-            for block in weights:
-                for w in block:
-                    stepped.append(builder.call(fma, [xi, w, acc[len(stepped)]]))
-        following = builder.add(i, const(1))
-        i.add_incoming(const(0), entry)
-        i.add_incoming(following, loop)
-        for a, s in zip(acc, stepped):
-            a.add_incoming(zero, entry)
-            a.add_incoming(s, loop)
-        builder.cbranch(builder.icmp_signed("<", following, size), loop, done)
-
-        builder.position_at_end(done)
-        results = []
-        for s in stepped:
-            results.append(builder.phi(vec))
-            results[-1].add_incoming(zero, entry)
-            results[-1].add_incoming(s, loop)
+        results = e.loop(e.const(0), size, [ZERO] * (len(x_rows) * len(starts) * halves), step)
         k = 0
         for n, r in enumerate(row_ids):
             for j, b in enumerate(ids):
-                wanted = builder.and_(builder.icmp_signed("<", const(n), count),
-                                      builder.icmp_signed("<", const(j), nblocks))
-                with builder.if_then(wanted):
-                    dest = at(oa.data, builder.add(builder.mul(r, width), builder.mul(b, const(BLOCK))))
+                with e.when(builder.and_(e.below(e.const(n), count), e.below(e.const(j), nblocks))):
+                    dest = e.at(outs, e.add(e.mul(r, width), e.mul(b, e.const(BLOCK))))
                     for h in range(halves):
-                        builder.store(results[k + h], vector(at(dest, const(h * LANES))), align=4)
+                        e.store(results[k + h], e.at(dest, e.const(h * LANES)))
                 k += halves
         return context.get_dummy_value()
     return types.void(x, blocks, out, rows, count, block_ids, nblocks, prefetch_at, prefetch_step), codegen
