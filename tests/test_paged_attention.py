@@ -101,22 +101,26 @@ def test_a_rows_bits_do_not_depend_on_the_call(pool):
     assert mixed.tobytes() == np.concatenate([alone[rows[i]] for i in picks]).tobytes()
 
 
-def test_serial_and_threaded_kernels_give_the_same_bits():
+@pytest.mark.parametrize("rows", [430, 3])
+def test_serial_and_threaded_kernels_give_the_same_bits(rows):
+    """Threads take a row at a time, or for few rows a range of kv heads at a time: both give the
+    serial kernel's bits."""
     pool = Pool(8, 2, 64, 16, seed=2, lengths=(300, 1, 129))
     seqs = np.repeat(np.arange(3), (300, 1, 129))
     positions = np.concatenate([np.arange(300), [0], np.arange(129)])
-    order = np.random.default_rng(3).permutation(len(seqs))
+    order = np.random.default_rng(3).permutation(len(seqs))[:rows]
     seqs, positions = seqs[order], positions[order]
     q = np.stack([pool.q[s][p] for s, p in zip(seqs, positions)])
-    assert (positions + 1).sum() * 8 * 64 >= paged_attention.THREADED_WORK  # attend() itself picks threads here
     outs = []
-    for kernel in (paged_attention._attend, paged_attention._attend_threaded):
+    for kernel, spans in ((paged_attention._attend, ()), (paged_attention._attend_threaded, (1,)),
+                          (paged_attention._attend_threaded, (2,))):
         out = np.empty(q.shape, dtype=np.float32)
         kernel(q, pool.k_cache, pool.v_cache, pool.tables, seqs, positions + 1, np.float32(pool.scale),
-               np.float32(1.0), out)
-        outs.append(out.reshape(len(q), -1))
-    assert outs[0].tobytes() == outs[1].tobytes()
-    assert outs[0].tobytes() == pool.attend(seqs, positions).tobytes()
+               np.float32(1.0), out, *spans)
+        outs.append(out.tobytes())
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == pool.attend(seqs, positions).tobytes()
+    assert (positions + 1).sum() * 8 * 64 >= paged_attention.THREADED_WORK  # attend() itself picks threads here
 
 
 def test_gather_returns_the_written_keys_and_values(pool):

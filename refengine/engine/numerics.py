@@ -61,8 +61,8 @@ def invariant_kernels_hold() -> bool:
         if not product_rows_are_independent(weight, rng.standard_normal((9, in_features), dtype=np.float32)):
             return False
     q, k, v = (rng.standard_normal((9, heads, 16), dtype=np.float32) for heads in (4, 2, 2))
-    # both of the kernel's ways of scoring a block: key by key, and a block at a time
-    return all(attention_rows_are_independent(q, k, v, block_size) for block_size in (4, paged_attention.SMALL_BLOCK))
+    # a block that fills a part of a vector of positions (masked lanes), and one that fills it
+    return all(attention_rows_are_independent(q, k, v, block_size) for block_size in (4, paged_attention.LANES))
 
 
 def require_invariant_kernels() -> None:

@@ -8,23 +8,33 @@ whole value rows.
 
 Why a row's result cannot depend on the batch, the chunking or the phase: a query row at position p
 reads exactly keys and values 0..p of its own sequence, and every sum runs in an order written here.
-A score is a fixed combination of four chains over head_dim (_attend_one). The softmax's max and
-its denominator run over positions in order, and so does the output's sum of value rows. Nothing
-depends on the other rows of the step, on how they are split into chunks or threads, or on whether
-the row is a prefill or a decode: the same position of the same sequence gets the same bits.
-tests/test_paged_attention.py checks this.
+A score is a fixed combination of four chains over head_dim (_scores). The softmax's max and its
+denominator run over positions in order, and so does the output's sum of value rows (_values).
+Nothing depends on the other rows of the step, on how they are split into chunks or threads, or on
+whether the row is a prefill or a decode: the same position of the same sequence gets the same
+bits. tests/test_paged_attention.py checks this.
+
+How it reads memory, which is what a decode step's attention waits on: a row goes through its
+blocks in order, and in each block through every kv head (their tiles lie next to each other in the
+cache, one sweep the hardware prefetcher follows), prefetching the next block's tiles as it reads;
+the scores' and the sums' accumulators stay in registers (engine/ir.py says why numba's would not).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import get_num_threads, prange, types
+from numba.extending import intrinsic
 
 from .exp import exp32
-from .jit import fma, jit
+from .ir import LANES, ZERO, Emitter
+from .jit import WIDE_VECTORS, jit
 
 # Below this many score multiply-adds a call runs on the calling thread (packed.THREADED_BYTES says why).
 THREADED_WORK = 1 << 18
-SMALL_BLOCK = 8  # below this block size a vector over a block's positions is mostly empty lanes
+# Heads per body, sized to the vector registers: a score body holds four chains a head and a value
+# body up to eight vectors a head, so two heads take 8 and 16 of the 32 512-bit registers; a
+# narrower CPU has 16 registers a quarter the size, and one head (a value body of four vectors) fits.
+SCORE_HEADS = VALUE_HEADS = 2 if WIDE_VECTORS else 1
 
 
 def write(k_cache, v_cache, slots, k, v) -> None:
@@ -58,119 +68,197 @@ def attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten=1.0) -
     `flatten` < 1 scales every score's exponent (Fault.ATTENTION_BOUND_INFLATING)."""
     rows, heads, head_dim = q.shape
     out = np.empty((rows, heads, head_dim), dtype=np.float32)
-    kernel = _attend_threaded if int(row_keys.sum()) * heads * head_dim >= THREADED_WORK else _attend
-    kernel(np.ascontiguousarray(q), k_cache, v_cache, tables, row_seq, row_keys, np.float32(scale),
-           np.float32(flatten), out)
+    args = (np.ascontiguousarray(q), k_cache, v_cache, tables, row_seq, row_keys, np.float32(scale),
+            np.float32(flatten), out)
+    if int(row_keys.sum()) * heads * head_dim < THREADED_WORK:
+        _attend(*args)
+    else:  # a task a row where every thread gets two or more, else a task a kv head, so that few rows use every thread
+        _attend_threaded(*args, 1 if rows >= 2 * get_num_threads() else k_cache.shape[1])
     return out.reshape(rows, heads * head_dim)
 
 
+@intrinsic
+def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale, ahead,
+            ahead_block):
+    """scores[heads[j], column:column + n] for j < count, n = min(LANES, block_size - p0): query row `row`,
+    head first_head + heads[j], against positions p0.. of cache block `block` (kv head `kv_head`), one
+    lane a position. Each is four chains over head_dim (d mod 4; the dims past the last whole four
+    continue the first), combined as ((c0 + c1) + (c2 + c3)) * scale. Reading the keys of dim d, it
+    prefetches the line at the same place in the tile (ahead_block, kv_head) of `ahead` (the cache
+    read next: the next block's keys, or the first block's values)."""
+    arrays = (q, k_cache, scores, ahead)
+    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+            and isinstance(heads, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        e = Emitter(context, builder, signature, args)
+        (qs, (_, num_heads, head_dim)), (ks, (_, num_kv_heads, _, block_size)), (ss, (_, width)) = \
+            e.array(0), e.array(5), e.array(9)
+        row, first_head, heads, count = e.index(1), e.index(2), e.indices(3), e.index(4)
+        block, kv_head, p0, column = e.index(6), e.index(7), e.index(8), e.index(10)
+        lanes = e.mask(builder.sub(block_size, p0))
+        tile = e.mul(head_dim, block_size)
+        keys = e.at(ks, e.add(e.mul(e.add(e.mul(block, num_kv_heads), kv_head), tile), p0))
+        following = e.at(e.array(12)[0], e.add(e.mul(e.add(e.mul(e.index(13), num_kv_heads), kv_head), tile), p0))
+        queries = [e.at(qs, e.mul(e.add(e.mul(row, num_heads), first_head, h), head_dim)) for h in heads]
+
+        def dims(d, acc, chains):  # dims d.. (one per chain) into the first `chains` chains of every head
+            stepped = list(acc)
+            for c in range(chains):
+                offset = e.mul(e.add(d, e.const(c)), block_size)
+                k = e.load(e.at(keys, offset), lanes)
+                e.prefetch(e.at(following, offset))
+                for j, query in enumerate(queries):
+                    qd = e.splat(builder.load(e.at(query, e.add(d, e.const(c))), align=4))
+                    stepped[4 * j + c] = e.fma(qd, k, acc[4 * j + c])
+            return stepped
+
+        whole = builder.sdiv(head_dim, e.const(4))
+        acc = e.loop(e.const(0), whole, [ZERO] * (4 * len(queries)), lambda i, a: dims(e.mul(i, e.const(4)), a, 4))
+        acc = e.loop(e.mul(whole, e.const(4)), head_dim, acc, lambda d, a: dims(d, a, 1))
+        factor = e.splat(e.args[11])
+        for j, h in enumerate(heads):
+            c = acc[4 * j:4 * j + 4]
+            combined = builder.fmul(builder.fadd(builder.fadd(c[0], c[1]), builder.fadd(c[2], c[3])), factor)
+            with e.when(e.below(e.const(j), count)):
+                e.store(combined, e.at(ss, e.add(e.mul(h, width), column)), lanes)
+        return context.get_dummy_value()
+    return (types.void(q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale, ahead,
+                       ahead_block), codegen)
+
+
+@intrinsic
+def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head, dims, acc, ahead_block):
+    """acc[heads[j], d:d + LANES] for j < count and d in dims (lanes past head_dim left alone), continued
+    by positions 0..n-1 of cache block `block` (kv head `kv_head`), in order: one fma a position, of
+    weights[heads[j], column + t] and that position's value row. Reading a value row, it prefetches
+    the same place in block ahead_block (the next block's values)."""
+    arrays = (weights, v_cache, acc)
+    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+            and isinstance(heads, types.BaseTuple) and isinstance(dims, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        e = Emitter(context, builder, signature, args)
+        (ws, (_, width)), (vs, (_, num_kv_heads, block_size, head_dim)), (accs, _) = e.array(0), e.array(5), e.array(9)
+        column, n, heads, count = e.index(1), e.index(2), e.indices(3), e.index(4)
+        block, kv_head, dims = e.index(6), e.index(7), e.indices(8)
+        lanes = [e.mask(builder.sub(head_dim, d)) for d in dims]
+        values = e.at(vs, e.mul(e.add(e.mul(block, num_kv_heads), kv_head), block_size, head_dim))
+        following = e.at(vs, e.mul(e.add(e.mul(e.index(10), num_kv_heads), kv_head), block_size, head_dim))
+        sums = [e.at(accs, e.add(e.mul(h, head_dim), d)) for h in heads for d in dims]
+        weight_rows = [e.at(ws, e.add(e.mul(h, width), column)) for h in heads]
+
+        def position(t, acc):
+            value_row = e.at(values, e.mul(t, head_dim))
+            v = [e.load(e.at(value_row, d), mask) for d, mask in zip(dims, lanes)]
+            for d in dims:
+                e.prefetch(e.at(following, e.add(e.mul(t, head_dim), d)))
+            stepped = []
+            for weight_row in weight_rows:
+                w = e.splat(builder.load(e.at(weight_row, t), align=4))
+                for vd in v:
+                    stepped.append(e.fma(w, vd, acc[len(stepped)]))
+            return stepped
+
+        initial = [e.load(s, lanes[k % len(dims)]) for k, s in enumerate(sums)]
+        acc = e.loop(e.const(0), n, initial, position)
+        for j in range(len(heads)):
+            with e.when(e.below(e.const(j), count)):
+                for k in range(len(dims)):
+                    e.store(acc[j * len(dims) + k], sums[j * len(dims) + k], lanes[k])
+        return context.get_dummy_value()
+    return types.void(weights, column, n, heads, count, v_cache, block, kv_head, dims, acc, ahead_block), codegen
+
+
 @jit
-def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item):
-    """Query row item // kv_heads, the heads of kv head item % kv_heads: the sums of the module docstring.
-    A score's chain over head_dim runs as four interleaved partial sums (d mod 4), added in one fixed
-    order at the end: the same for every score, and independent chains keep the fma units busy.
-    Blocks of SMALL_BLOCK positions or more are scored a block at a time (a vector over its
-    positions); smaller ones a key at a time, in the same chains."""
+def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, row, kv0, kv1):
+    """Query row `row`, the heads of kv heads kv0..kv1-1: the sums of the module docstring. A score's
+    chain over head_dim runs as four interleaved partial sums (d mod 4), added in one fixed order at
+    the end: the same for every score, and independent chains keep the fma units busy. A block's
+    scores are computed a vector of positions at a time for SCORE_HEADS heads at once (_scores), the
+    output's sum over positions a block at a time with its accumulators in registers (_values); each
+    goes through a block's kv heads in turn, which lie next to each other in the cache."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    row, kv_head = item // num_kv_heads, item % num_kv_heads
+    heads = (kv1 - kv0) * group
     keys = row_keys[row]
     table = tables[row_seq[row]]
     num_blocks = (keys + block_size - 1) // block_size
-    scores = np.zeros((group, num_blocks * block_size), dtype=np.float32)
-    whole_dims = head_dim - head_dim % 4
-    if block_size >= SMALL_BLOCK:
-        part = np.zeros((4, block_size), dtype=np.float32)
-        for b in range(num_blocks):
-            block = table[b]
-            for g in range(group):
-                h = kv_head * group + g
-                part[:] = 0
-                for d in range(0, whole_dims, 4):
-                    q0, q1, q2, q3 = q[row, h, d], q[row, h, d + 1], q[row, h, d + 2], q[row, h, d + 3]
-                    for p in range(block_size):
-                        part[0, p] = fma(q0, k_cache[block, kv_head, d, p], part[0, p])
-                        part[1, p] = fma(q1, k_cache[block, kv_head, d + 1, p], part[1, p])
-                        part[2, p] = fma(q2, k_cache[block, kv_head, d + 2, p], part[2, p])
-                        part[3, p] = fma(q3, k_cache[block, kv_head, d + 3, p], part[3, p])
-                for d in range(whole_dims, head_dim):
-                    for p in range(block_size):
-                        part[0, p] = fma(q[row, h, d], k_cache[block, kv_head, d, p], part[0, p])
-                for p in range(block_size):
-                    scores[g, b * block_size + p] = ((part[0, p] + part[1, p]) + (part[2, p] + part[3, p])) * scale
-    else:
-        for t in range(keys):
-            block, p = table[t // block_size], t % block_size
-            for g in range(group):
-                h = kv_head * group + g
-                s0 = s1 = s2 = s3 = np.float32(0)
-                for d in range(0, whole_dims, 4):
-                    s0 = fma(q[row, h, d], k_cache[block, kv_head, d, p], s0)
-                    s1 = fma(q[row, h, d + 1], k_cache[block, kv_head, d + 1, p], s1)
-                    s2 = fma(q[row, h, d + 2], k_cache[block, kv_head, d + 2, p], s2)
-                    s3 = fma(q[row, h, d + 3], k_cache[block, kv_head, d + 3, p], s3)
-                for d in range(whole_dims, head_dim):
-                    s0 = fma(q[row, h, d], k_cache[block, kv_head, d, p], s0)
-                scores[g, t] = ((s0 + s1) + (s2 + s3)) * scale
-    totals = np.zeros(group, dtype=np.float32)
-    for g in range(group):
-        top = scores[g, 0]
+    scores = np.empty((heads, num_blocks * block_size), dtype=np.float32)
+    for b in range(num_blocks):
+        ahead, ahead_block = (k_cache, table[b + 1]) if b + 1 < num_blocks else (v_cache, table[0])
+        for kv_head in range(kv0, kv1):
+            first = (kv_head - kv0) * group
+            for p0 in range(0, block_size, LANES):
+                for g in range(first, first + group, SCORE_HEADS):
+                    if SCORE_HEADS == 2:
+                        _scores(q, row, kv0 * group, (g, min(g + 1, first + group - 1)), first + group - g, k_cache,
+                                table[b], kv_head, p0, scores, b * block_size + p0, scale, ahead, ahead_block)
+                    else:
+                        _scores(q, row, kv0 * group, (g,), 1, k_cache, table[b], kv_head, p0, scores,
+                                b * block_size + p0, scale, ahead, ahead_block)
+    totals = np.zeros(heads, dtype=np.float32)
+    for h in range(heads):
+        top = scores[h, 0]
         for p in range(keys):
-            top = max(top, scores[g, p])
+            top = max(top, scores[h, p])
         for p in range(keys):  # apart from the sum below, so that this loop runs vectorized
-            scores[g, p] = exp32((scores[g, p] - top) * flatten)
+            scores[h, p] = exp32((scores[h, p] - top) * flatten)
         for p in range(keys):
-            totals[g] += scores[g, p]
-    # The output's sum over positions, in position order; four value rows per load and store of the
-    # accumulator, which does not change the order.
-    acc = np.zeros((group, head_dim), dtype=np.float32)
-    if block_size >= SMALL_BLOCK:
-        for b in range(num_blocks):
-            block, base = table[b], b * block_size
-            n = min(block_size, keys - base)
-            whole = n - n % 4
-            for g in range(group):
-                for o in range(0, whole, 4):
-                    e0, e1 = scores[g, base + o], scores[g, base + o + 1]
-                    e2, e3 = scores[g, base + o + 2], scores[g, base + o + 3]
-                    v0, v1, v2, v3 = (v_cache[block, kv_head, o], v_cache[block, kv_head, o + 1],
-                                      v_cache[block, kv_head, o + 2], v_cache[block, kv_head, o + 3])
-                    for d in range(head_dim):
-                        acc[g, d] = fma(e3, v3[d], fma(e2, v2[d], fma(e1, v1[d], fma(e0, v0[d], acc[g, d]))))
-                for o in range(whole, n):
-                    e = scores[g, base + o]
-                    for d in range(head_dim):
-                        acc[g, d] = fma(e, v_cache[block, kv_head, o, d], acc[g, d])
-    else:  # the same chain, four positions at a time across blocks
-        whole = keys - keys % 4
-        for t in range(0, whole, 4):
-            v0 = v_cache[table[t // block_size], kv_head, t % block_size]
-            v1 = v_cache[table[(t + 1) // block_size], kv_head, (t + 1) % block_size]
-            v2 = v_cache[table[(t + 2) // block_size], kv_head, (t + 2) % block_size]
-            v3 = v_cache[table[(t + 3) // block_size], kv_head, (t + 3) % block_size]
-            for g in range(group):
-                e0, e1, e2, e3 = scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3]
-                for d in range(head_dim):
-                    acc[g, d] = fma(e3, v3[d], fma(e2, v2[d], fma(e1, v1[d], fma(e0, v0[d], acc[g, d]))))
-        for t in range(whole, keys):
-            v = v_cache[table[t // block_size], kv_head, t % block_size]
-            for g in range(group):
-                e = scores[g, t]
-                for d in range(head_dim):
-                    acc[g, d] = fma(e, v[d], acc[g, d])
-    for g in range(group):
+            totals[h] += scores[h, p]
+    acc = np.zeros((heads, head_dim), dtype=np.float32)
+    for b in range(num_blocks):
+        for kv_head in range(kv0, kv1):
+            _value_block(scores, b * block_size, min(block_size, keys - b * block_size), v_cache, table[b], kv_head,
+                         (kv_head - kv0) * group, group, acc, table[min(b + 1, num_blocks - 1)])
+    for h in range(heads):
         for d in range(head_dim):
-            out[row, kv_head * group + g, d] = acc[g, d] / totals[g]
+            out[row, kv0 * group + h, d] = acc[h, d] / totals[h]
+
+
+@jit
+def _value_block(weights, column, n, v_cache, block, kv_head, first, group, acc, ahead_block):
+    """Rows first..first+group-1 of acc (kv head kv_head's heads) continued by the first n positions of
+    one cache block: VALUE_HEADS heads at a time, in vectors of head_dim, as many as fit the registers
+    (and no more than head_dim needs)."""
+    head_dim = acc.shape[1]
+    for g in range(first, first + group, VALUE_HEADS):
+        if VALUE_HEADS == 2:
+            heads, count = (g, min(g + 1, first + group - 1)), first + group - g
+        else:
+            heads, count = (g,), 1
+        if head_dim <= LANES:
+            _values(weights, column, n, heads, count, v_cache, block, kv_head, (0,), acc, ahead_block)
+        elif head_dim <= 4 * LANES or not WIDE_VECTORS:
+            for d in range(0, head_dim, 4 * LANES):
+                _values(weights, column, n, heads, count, v_cache, block, kv_head,
+                        (d, d + LANES, d + 2 * LANES, d + 3 * LANES), acc, ahead_block)
+        else:
+            for d in range(0, head_dim, 8 * LANES):
+                _values(weights, column, n, heads, count, v_cache, block, kv_head,
+                        (d, d + LANES, d + 2 * LANES, d + 3 * LANES, d + 4 * LANES, d + 5 * LANES, d + 6 * LANES,
+                         d + 7 * LANES), acc, ahead_block)
+
+
+@jit
+def _item(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item, spans):
+    num_kv_heads = k_cache.shape[1]
+    row, span = item // spans, item % spans
+    _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, row,
+                span * num_kv_heads // spans, (span + 1) * num_kv_heads // spans)
 
 
 @jit
 def _attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out):
-    for item in range(q.shape[0] * k_cache.shape[1]):
-        _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item)
+    for row in range(q.shape[0]):
+        _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, row, 0, k_cache.shape[1])
 
 
 @jit(parallel=True)
-def _attend_threaded(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out):
-    for item in prange(q.shape[0] * k_cache.shape[1]):
-        _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item)
+def _attend_threaded(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, spans):
+    """Each row's kv heads in `spans` ranges, a range a task."""
+    for item in prange(q.shape[0] * spans):
+        _item(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item, spans)
 
