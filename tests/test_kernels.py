@@ -1,16 +1,18 @@
 """Fast mode's attention for a prefill chunk (kernels.attend_fast, via kernels.attention): one masked
 product for all of a chunk's queries. Unlike the paged kernel (tests/test_paged_attention.py) its bits
 may depend on the chunking, so it is held only to a float64 attention written here, for every chunking.
-And a step's greedy tokens and top-2 margins (kernels.top2), held to the reference's rules."""
+A step's greedy tokens and top-2 margins (kernels.top2), held to the reference's rules. And the
+engine's RMS norm (kernels.rms_norm), held bit for bit to its definition written here."""
 import math
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from refengine.engine.faults import Fault
-from refengine.engine.kernels import SMALL_VOCAB, attend_fast, attention, top2
+from refengine.engine.kernels import SMALL_VOCAB, _sum_of_squares, attend_fast, attention, rms_norm, top2
 from refengine.sampling import greedy_token, top2_margin
 
 
@@ -77,3 +79,45 @@ def test_a_steps_top2_is_each_rows_own(rows, pad):
             alone = top2_margin(row)
         assert (np.isnan(margin) and (np.isnan(row).any() or np.isnan(expected))) or margin == expected
         assert (np.isnan(margin) and np.isnan(alone)) or margin == alone
+
+
+def rms_norm_definition(row, weight, eps):
+    """kernels._rms_norm_rows' rule for one row, in numpy: the float64 squares summed into sixteen
+    partial sums (element i into sum i mod 16, in order), the partial sums added in order from zero,
+    then float32 arithmetic. -> (the float64 sum of squares, the normed row)"""
+    squares = row.astype(np.float64) ** 2                                # exact: a float32 squared fits
+    squares = np.concatenate([squares, np.zeros(-len(row) % 16)]).reshape(-1, 16)
+    lanes = np.zeros(16)
+    for part in squares:
+        lanes = lanes + part
+    total = 0.0
+    for lane in lanes:
+        total += lane
+    inverse = np.float32(1) / np.sqrt(np.float32(total / len(row)) + np.float32(eps))
+    return total, row * inverse * weight
+
+
+@numba.njit
+def sums_of_squares(x):
+    return np.array([_sum_of_squares(x, r) for r in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("dim", [1, 15, 16, 17, 100, 128, 1030])
+def test_rms_norm_is_its_definition_row_by_row(dim):
+    """Bit for bit, the float64 sum of squares too (a float32 result hides its order: float64 keeps 29
+    bits more)."""
+    rng = np.random.default_rng(dim)
+    scales = 10.0 ** rng.integers(-30, 30, (12, 1))
+    x = (rng.standard_normal((12, dim)) * scales).astype(np.float32)
+    x[1] = 0
+    x[2, ::3] = np.nan
+    x[3, ::5] = np.inf
+    x[4] = np.float32(1e-42) * rng.integers(-9, 9, dim)                 # subnormal
+    weight = rng.standard_normal(dim, dtype=np.float32)
+    out = rms_norm(x, weight, 1e-6)
+    with np.errstate(all="ignore"):
+        totals, rows = zip(*(rms_norm_definition(row, weight, 1e-6) for row in x))
+    np.testing.assert_array_equal(sums_of_squares(x), np.array(totals))
+    np.testing.assert_array_equal(out, np.stack(rows))
+    for lo, hi in ((0, 1), (5, 12), (3, 4)):                            # any rows of a call: the same bits
+        assert rms_norm(x[lo:hi], weight, 1e-6).tobytes() == out[lo:hi].tobytes()

@@ -11,10 +11,14 @@ import functools
 from typing import Callable, NamedTuple
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from ..sampling import greedy_token, top2_margin
 from .exp import exp32
 from .faults import Fault
+from .ir import I32, LANES, Emitter
 from .jit import jit
 
 
@@ -28,23 +32,45 @@ def rms_norm(x, weight, eps):  # x [..., dim] -> the same shape, C order
 @jit
 def _rms_norm_rows(x, weight, eps, out):
     """Each row alone: its sum of squares in float64 (more accurate than a float32 sum), as sixteen
-    partial sums (i mod 16) added in one fixed order -- the same for every row, and no other row can
-    reach it."""
+    partial sums (i mod 16) added in one fixed order (_sum_of_squares) -- the same for every row, and
+    no other row can reach it."""
     rows, dim = x.shape
-    lanes = np.empty(16, dtype=np.float64)
     for r in range(rows):
-        lanes[:] = 0
-        for i0 in range(0, dim - dim % 16, 16):
-            for j in range(16):
-                lanes[j] += np.float64(x[r, i0 + j]) * x[r, i0 + j]
-        for i in range(dim - dim % 16, dim):
-            lanes[i % 16] += np.float64(x[r, i]) * x[r, i]
-        total = 0.0
-        for j in range(16):
-            total += lanes[j]
-        inverse = np.float32(1) / np.float32(np.sqrt(np.float32(total / dim) + eps))
+        inverse = np.float32(1) / np.float32(np.sqrt(np.float32(_sum_of_squares(x, r) / dim) + eps))
         for i in range(dim):
             out[r, i] = x[r, i] * inverse * weight[i]
+
+
+@intrinsic
+def _sum_of_squares(typingctx, x, row):
+    """The float64 sum of the squares of x[row] (float32, C order): element i goes to partial sum i mod
+    LANES, each partial sum in order of i from zero, and the partial sums are added in lane order, from
+    zero. The partial sums are one vector in registers (ir.py); a row's tail is a masked load, whose
+    zero lanes add +0 to sums that are +0 or more (a square is never negative), which leaves them as
+    they are."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        e = Emitter(context, builder, signature, args)
+        xs, (_, dim) = e.array(0)
+        start = e.at(xs, e.mul(e.index(1), dim))
+        wide = ir.VectorType(ir.DoubleType(), LANES)
+
+        def squared(vector):
+            v = builder.fpext(vector, wide)
+            return builder.fmul(v, v)
+
+        whole = e.mul(builder.sdiv(dim, e.const(LANES)), e.const(LANES))
+        zero = ir.Constant(wide, [0.0] * LANES)
+        sums = e.loop(e.const(0), builder.sdiv(dim, e.const(LANES)), [zero],
+                      lambda i, s: [builder.fadd(s[0], squared(e.load(e.at(start, e.mul(i, e.const(LANES))))))])[0]
+        sums = builder.fadd(sums, squared(e.load(e.at(start, whole), e.mask(builder.sub(dim, whole)))))
+        total = ir.Constant(ir.DoubleType(), 0.0)
+        for lane in range(LANES):
+            total = builder.fadd(total, builder.extract_element(sums, I32(lane)))
+        return total
+    return types.float64(x, row), codegen
 
 
 def silu_mul(gate_up):  # [rows, 2 * width] -> silu(gate) * up, [rows, width] C order
