@@ -15,9 +15,10 @@ whether the row is a prefill or a decode: the same position of the same sequence
 bits. tests/test_paged_attention.py checks this.
 
 How it reads memory, which is what a decode step's attention waits on: a row goes through its
-blocks in order, and in each block through every kv head (their tiles lie next to each other in the
-cache, one sweep the hardware prefetcher follows), prefetching the next block's tiles as it reads;
-the scores' and the sums' accumulators stay in registers (engine/ir.py says why numba's would not).
+blocks in order, and in each block through every kv head, whose tiles lie next to each other in the
+cache: one sweep of a block's keys, then later of its values, which the hardware prefetcher follows
+(prefetching the next block in the code as well read no faster). The scores' and the sums'
+accumulators stay in registers (engine/ir.py says why numba's would not).
 """
 from __future__ import annotations
 
@@ -78,15 +79,12 @@ def attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten=1.0) -
 
 
 @intrinsic
-def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale, ahead,
-            ahead_block):
+def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale):
     """scores[heads[j], column:column + n] for j < count, n = min(LANES, block_size - p0): query row `row`,
     head first_head + heads[j], against positions p0.. of cache block `block` (kv head `kv_head`), one
     lane a position. Each is four chains over head_dim (d mod 4; the dims past the last whole four
-    continue the first), combined as ((c0 + c1) + (c2 + c3)) * scale. Reading the keys of dim d, it
-    prefetches the line at the same place in the tile (ahead_block, kv_head) of `ahead` (the cache
-    read next: the next block's keys, or the first block's values)."""
-    arrays = (q, k_cache, scores, ahead)
+    continue the first), combined as ((c0 + c1) + (c2 + c3)) * scale."""
+    arrays = (q, k_cache, scores)
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
             and isinstance(heads, types.BaseTuple)):
         return None
@@ -98,17 +96,13 @@ def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head
         row, first_head, heads, count = e.index(1), e.index(2), e.indices(3), e.index(4)
         block, kv_head, p0, column = e.index(6), e.index(7), e.index(8), e.index(10)
         lanes = e.mask(builder.sub(block_size, p0))
-        tile = e.mul(head_dim, block_size)
-        keys = e.at(ks, e.add(e.mul(e.add(e.mul(block, num_kv_heads), kv_head), tile), p0))
-        following = e.at(e.array(12)[0], e.add(e.mul(e.add(e.mul(e.index(13), num_kv_heads), kv_head), tile), p0))
+        keys = e.at(ks, e.add(e.mul(e.add(e.mul(block, num_kv_heads), kv_head), head_dim, block_size), p0))
         queries = [e.at(qs, e.mul(e.add(e.mul(row, num_heads), first_head, h), head_dim)) for h in heads]
 
         def dims(d, acc, chains):  # dims d.. (one per chain) into the first `chains` chains of every head
             stepped = list(acc)
             for c in range(chains):
-                offset = e.mul(e.add(d, e.const(c)), block_size)
-                k = e.load(e.at(keys, offset), lanes)
-                e.prefetch(e.at(following, offset))
+                k = e.load(e.at(keys, e.mul(e.add(d, e.const(c)), block_size)), lanes)
                 for j, query in enumerate(queries):
                     qd = e.splat(builder.load(e.at(query, e.add(d, e.const(c))), align=4))
                     stepped[4 * j + c] = e.fma(qd, k, acc[4 * j + c])
@@ -124,16 +118,14 @@ def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head
             with e.when(e.below(e.const(j), count)):
                 e.store(combined, e.at(ss, e.add(e.mul(h, width), column)), lanes)
         return context.get_dummy_value()
-    return (types.void(q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale, ahead,
-                       ahead_block), codegen)
+    return types.void(q, row, first_head, heads, count, k_cache, block, kv_head, p0, scores, column, scale), codegen
 
 
 @intrinsic
-def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head, dims, acc, ahead_block):
+def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head, dims, acc):
     """acc[heads[j], d:d + LANES] for j < count and d in dims (lanes past head_dim left alone), continued
     by positions 0..n-1 of cache block `block` (kv head `kv_head`), in order: one fma a position, of
-    weights[heads[j], column + t] and that position's value row. Reading a value row, it prefetches
-    the same place in block ahead_block (the next block's values)."""
+    weights[heads[j], column + t] and that position's value row."""
     arrays = (weights, v_cache, acc)
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
             and isinstance(heads, types.BaseTuple) and isinstance(dims, types.BaseTuple)):
@@ -146,15 +138,12 @@ def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head
         block, kv_head, dims = e.index(6), e.index(7), e.indices(8)
         lanes = [e.mask(builder.sub(head_dim, d)) for d in dims]
         values = e.at(vs, e.mul(e.add(e.mul(block, num_kv_heads), kv_head), block_size, head_dim))
-        following = e.at(vs, e.mul(e.add(e.mul(e.index(10), num_kv_heads), kv_head), block_size, head_dim))
         sums = [e.at(accs, e.add(e.mul(h, head_dim), d)) for h in heads for d in dims]
         weight_rows = [e.at(ws, e.add(e.mul(h, width), column)) for h in heads]
 
         def position(t, acc):
             value_row = e.at(values, e.mul(t, head_dim))
             v = [e.load(e.at(value_row, d), mask) for d, mask in zip(dims, lanes)]
-            for d in dims:
-                e.prefetch(e.at(following, e.add(e.mul(t, head_dim), d)))
             stepped = []
             for weight_row in weight_rows:
                 w = e.splat(builder.load(e.at(weight_row, t), align=4))
@@ -169,7 +158,7 @@ def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head
                 for k in range(len(dims)):
                     e.store(acc[j * len(dims) + k], sums[j * len(dims) + k], lanes[k])
         return context.get_dummy_value()
-    return types.void(weights, column, n, heads, count, v_cache, block, kv_head, dims, acc, ahead_block), codegen
+    return types.void(weights, column, n, heads, count, v_cache, block, kv_head, dims, acc), codegen
 
 
 @jit
@@ -188,17 +177,16 @@ def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, 
     num_blocks = (keys + block_size - 1) // block_size
     scores = np.empty((heads, num_blocks * block_size), dtype=np.float32)
     for b in range(num_blocks):
-        ahead, ahead_block = (k_cache, table[b + 1]) if b + 1 < num_blocks else (v_cache, table[0])
         for kv_head in range(kv0, kv1):
             first = (kv_head - kv0) * group
             for p0 in range(0, block_size, LANES):
                 for g in range(first, first + group, SCORE_HEADS):
                     if SCORE_HEADS == 2:
                         _scores(q, row, kv0 * group, (g, min(g + 1, first + group - 1)), first + group - g, k_cache,
-                                table[b], kv_head, p0, scores, b * block_size + p0, scale, ahead, ahead_block)
+                                table[b], kv_head, p0, scores, b * block_size + p0, scale)
                     else:
                         _scores(q, row, kv0 * group, (g,), 1, k_cache, table[b], kv_head, p0, scores,
-                                b * block_size + p0, scale, ahead, ahead_block)
+                                b * block_size + p0, scale)
     totals = np.zeros(heads, dtype=np.float32)
     for h in range(heads):
         top = scores[h, 0]
@@ -212,14 +200,14 @@ def _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, 
     for b in range(num_blocks):
         for kv_head in range(kv0, kv1):
             _value_block(scores, b * block_size, min(block_size, keys - b * block_size), v_cache, table[b], kv_head,
-                         (kv_head - kv0) * group, group, acc, table[min(b + 1, num_blocks - 1)])
+                         (kv_head - kv0) * group, group, acc)
     for h in range(heads):
         for d in range(head_dim):
             out[row, kv0 * group + h, d] = acc[h, d] / totals[h]
 
 
 @jit
-def _value_block(weights, column, n, v_cache, block, kv_head, first, group, acc, ahead_block):
+def _value_block(weights, column, n, v_cache, block, kv_head, first, group, acc):
     """Rows first..first+group-1 of acc (kv head kv_head's heads) continued by the first n positions of
     one cache block: VALUE_HEADS heads at a time, in vectors of head_dim, as many as fit the registers
     (and no more than head_dim needs)."""
@@ -230,24 +218,16 @@ def _value_block(weights, column, n, v_cache, block, kv_head, first, group, acc,
         else:
             heads, count = (g,), 1
         if head_dim <= LANES:
-            _values(weights, column, n, heads, count, v_cache, block, kv_head, (0,), acc, ahead_block)
+            _values(weights, column, n, heads, count, v_cache, block, kv_head, (0,), acc)
         elif head_dim <= 4 * LANES or not WIDE_VECTORS:
             for d in range(0, head_dim, 4 * LANES):
                 _values(weights, column, n, heads, count, v_cache, block, kv_head,
-                        (d, d + LANES, d + 2 * LANES, d + 3 * LANES), acc, ahead_block)
+                        (d, d + LANES, d + 2 * LANES, d + 3 * LANES), acc)
         else:
             for d in range(0, head_dim, 8 * LANES):
                 _values(weights, column, n, heads, count, v_cache, block, kv_head,
                         (d, d + LANES, d + 2 * LANES, d + 3 * LANES, d + 4 * LANES, d + 5 * LANES, d + 6 * LANES,
-                         d + 7 * LANES), acc, ahead_block)
-
-
-@jit
-def _item(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item, spans):
-    num_kv_heads = k_cache.shape[1]
-    row, span = item // spans, item % spans
-    _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, row,
-                span * num_kv_heads // spans, (span + 1) * num_kv_heads // spans)
+                         d + 7 * LANES), acc)
 
 
 @jit
@@ -259,6 +239,8 @@ def _attend(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out)
 @jit(parallel=True)
 def _attend_threaded(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, spans):
     """Each row's kv heads in `spans` ranges, a range a task."""
+    num_kv_heads = k_cache.shape[1]
     for item in prange(q.shape[0] * spans):
-        _item(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, item, spans)
-
+        row, span = item // spans, item % spans
+        _attend_one(q, k_cache, v_cache, tables, row_seq, row_keys, scale, flatten, out, row,
+                    span * num_kv_heads // spans, (span + 1) * num_kv_heads // spans)
