@@ -8,14 +8,10 @@ bit with the row multiplied alone, on shapes that reach every code path: a last 
 the short groups that repeat their last row, and a weight large enough to run threaded. Values are
 checked against float64 within the rounding bound of a sequential float32 sum.
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from refengine.engine import jit, numerics, packed
+from refengine.engine import numerics, packed
 
 # (out, in): tiny ones, out off a multiple of 32, in off a multiple of 4, and two above THREADED_BYTES.
 SHAPES = [(1, 1), (3, 2), (31, 7), (32, 4), (33, 5), (48, 64), (100, 130), (1000, 96), (4100, 67), (8224, 40)]
@@ -125,37 +121,6 @@ def test_inputs_of_another_width_are_refused():
 def test_no_rows_give_no_rows(shape):
     y = packed.matmul(np.empty((0, shape[1]), dtype=np.float32), packed.pack(_case(shape)[0]))
     assert y.shape == (0, shape[0]) and y.dtype == np.float32
-
-
-# A build for 256-bit vectors (AVX2): numba fixes its target when the package is imported, so it runs
-# in a process of its own.
-NARROW = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+popcnt,+sse4.2"}
-NARROW_SCRIPT = """
-import sys
-import numpy as np
-from refengine.engine import jit, packed
-assert not jit.WIDE_VECTORS and packed.GROUP == 2
-x, weight = np.load(sys.argv[1]), np.load(sys.argv[2])
-w = packed.pack(weight)
-np.save(sys.argv[3], np.concatenate([packed.matmul(x[:n], w) for n in range(1, len(x) + 1)]))
-"""
-
-
-@pytest.mark.skipif(not jit.WIDE_VECTORS, reason="this CPU has no 512-bit vectors: its build is the narrow one")
-def test_a_narrower_cpus_build_gives_the_same_bits(tmp_path):
-    """The bodies are sized to the vector registers (packed.GROUP, ONE_ROW_BLOCKS), so an AVX2 machine
-    groups rows differently; every chain is the same, and so are the bits. Batches of 1-33 rows,
-    threaded (a weight above THREADED_BYTES)."""
-    weight, x = _case((4100, 67), seed=4)
-    np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "w.npy", weight)
-    env = {**os.environ, **NARROW, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    done = subprocess.run([sys.executable, "-c", NARROW_SCRIPT, tmp_path / "x.npy", tmp_path / "w.npy",
-                           tmp_path / "narrow.npy"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    w = packed.pack(weight)
-    wide = np.concatenate([packed.matmul(x[:n], w) for n in range(1, ROWS + 1)])
-    assert np.load(tmp_path / "narrow.npy").tobytes() == wide.tobytes()
 
 
 def test_the_start_up_probe_finds_the_kernels_invariant_here():
