@@ -3,8 +3,9 @@
 The machines this runs on are VMs whose memory bandwidth moves with their host's load (35-72 GB/s
 for the same read within an hour), so a serial run and a batched run minutes apart can differ by 20%
 from that alone. Stepping a serial engine and a batched engine alternately gives both the same
-machine; the ratio of their decode rates is then the batching gain. Likewise a batch-1 step is held
-against a read of memory right after it, not against the best the machine showed at another time.
+machine; the ratio of their decode rates is then the batching gain. The same holds for invariant
+mode against fast mode at one batch size (modes_ratio). Likewise a batch-1 step is held against a
+read of memory right after it, not against the best the machine showed at another time.
 """
 from __future__ import annotations
 
@@ -28,23 +29,44 @@ def _decode_step(engine) -> tuple[float, int] | None:
     return (seconds, len(scheduled)) if scheduled and all(s["phase"] == "decode" for s in scheduled) else None
 
 
+def _in_turns(model: Model, engines: dict[str, tuple[str, list[BenchRequest], int]], label: str) -> dict[str, float]:
+    """Step the engines (name: (mode, requests, max_num_seqs)) alternately until the first one is done;
+    each one's decode tokens/s over its decode-only steps, and how many there were."""
+    started = {name: start_engine(model, requests, mode, seats) for name, (mode, requests, seats) in engines.items()}
+    first = started[next(iter(engines))]
+    steps = {name: [] for name in engines}
+    with tqdm(total=sum(r.max_tokens for r in engines[next(iter(engines))][1]), desc=label, unit="tok",
+              leave=False) as bar:
+        while first.has_unfinished():
+            for name, engine in started.items():
+                if engine.has_unfinished() and (step := _decode_step(engine)) is not None:
+                    steps[name].append(step)
+            bar.n = sum(len(o.token_ids) for o in first.outputs().values())
+            bar.refresh()
+    rates = {name: sum(t for _, t in s) / sum(sec for sec, _ in s) for name, s in steps.items() if s}
+    return {"decode_steps": {name: len(s) for name, s in steps.items()}, "decode_tok_s": rates}
+
+
 def interleaved_ratio(model: Model, mode: str, requests: list[BenchRequest], serial_requests: list[BenchRequest]) -> dict:
     """Step a `mode` engine batching `requests` and a serial fast engine running `serial_requests`
     one after another, alternately, until the batched one is done."""
-    batched = start_engine(model, requests, mode, len(requests))
-    serial = start_engine(model, serial_requests, "fast", 1)
-    steps = {"batched": [], "serial": []}
-    with tqdm(total=sum(r.max_tokens for r in requests), desc=f"{mode} B={len(requests)} interleaved with serial",
-              unit="tok", leave=False) as bar:
-        while batched.has_unfinished():
-            for name, engine in (("batched", batched), ("serial", serial)):
-                if engine.has_unfinished() and (step := _decode_step(engine)) is not None:
-                    steps[name].append(step)
-            bar.n = sum(len(o.token_ids) for o in batched.outputs().values())
-            bar.refresh()
-    rates = {name: sum(t for _, t in s) / sum(sec for sec, _ in s) for name, s in steps.items() if s}
-    return {"mode": mode, "batch": len(requests), "decode_steps": {name: len(s) for name, s in steps.items()},
-            "decode_tok_s": rates, "ratio": rates["batched"] / rates["serial"] if len(rates) == 2 else None}
+    turns = _in_turns(model, {"batched": (mode, requests, len(requests)), "serial": ("fast", serial_requests, 1)},
+                      f"{mode} B={len(requests)} interleaved with serial")
+    rates = turns["decode_tok_s"]
+    return {"mode": mode, "batch": len(requests), **turns,
+            "ratio": rates["batched"] / rates["serial"] if len(rates) == 2 else None}
+
+
+def modes_ratio(model: Model, requests: list[BenchRequest], max_num_seqs: int) -> dict:
+    """An invariant and a fast engine on the same `requests` at `max_num_seqs`, stepped alternately:
+    invariant over fast decode tokens/s. The two modes run the same decode code (a decode step
+    differs only where fast mode attends a prefill chunk whole), so this is the goal's ratio with the
+    machine's drift between separate runs taken out."""
+    turns = _in_turns(model, {"invariant": ("invariant", requests, max_num_seqs),
+                              "fast": ("fast", requests, max_num_seqs)},
+                      f"invariant and fast B={max_num_seqs} in turn")
+    rates = turns["decode_tok_s"]
+    return {"batch": max_num_seqs, **turns, "ratio": rates["invariant"] / rates["fast"] if len(rates) == 2 else None}
 
 
 def batch1_vs_bandwidth(model: Model, requests: list[BenchRequest]) -> dict:
