@@ -23,6 +23,16 @@ VECTOR = ir.VectorType(ir.FloatType(), LANES)
 MASK = ir.VectorType(ir.IntType(1), LANES)
 
 
+def float32_arrays(*arrays) -> bool:
+    """Whether each numba type is a C-order float32 array: what a body reads and writes by pointer."""
+    return all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+
+
+def tuples(*values) -> bool:
+    """Whether each numba type is a tuple (of the indices a body unrolls over)."""
+    return all(isinstance(v, types.BaseTuple) for v in values)
+
+
 class Emitter:
     """An intrinsic's codegen arguments, with the few IR idioms the bodies are written in."""
 

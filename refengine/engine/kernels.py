@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 from ..sampling import greedy_token, top2_margin
 from .exp import exp32
 from .faults import Fault
-from .ir import I32, LANES, Emitter
+from .ir import I32, LANES, Emitter, float32_arrays
 from .jit import jit
 
 
@@ -48,7 +48,7 @@ def _sum_of_squares(typingctx, x, row):
     zero. The partial sums are one vector in registers (ir.py); a row's tail is a masked load, whose
     zero lanes add +0 to sums that are +0 or more (a square is never negative), which leaves them as
     they are."""
-    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 2):
+    if not (float32_arrays(x) and x.ndim == 2):
         return None
 
     def codegen(context, builder, signature, args):

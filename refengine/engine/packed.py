@@ -38,7 +38,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from .ir import LANES, ZERO, Emitter
+from .ir import LANES, ZERO, Emitter, float32_arrays, tuples
 from .jit import WIDE_VECTORS, jit
 
 BLOCK = 32  # outputs per block: two 512-bit vectors per row
@@ -102,9 +102,7 @@ def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch
     vector value in a register. Step i also prefetches, in every block it reads, the two cache lines
     at prefetch_at + i * prefetch_step floats from that block's start. x, blocks and out: float32, C
     order; rows and block_ids: tuples of indices (a short group repeats its last)."""
-    arrays = (x, blocks, out)
-    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
-            and isinstance(rows, types.BaseTuple) and isinstance(block_ids, types.BaseTuple)):
+    if not (float32_arrays(x, blocks, out) and tuples(rows, block_ids)):
         return None
 
     def codegen(context, builder, signature, args):

@@ -27,7 +27,7 @@ from numba import get_num_threads, prange, types
 from numba.extending import intrinsic
 
 from .exp import exp32
-from .ir import LANES, ZERO, Emitter
+from .ir import LANES, ZERO, Emitter, float32_arrays, tuples
 from .jit import WIDE_VECTORS, jit
 
 # Below this many score multiply-adds a call runs on the calling thread (packed.THREADED_BYTES says why).
@@ -84,9 +84,7 @@ def _scores(typingctx, q, row, first_head, heads, count, k_cache, block, kv_head
     head first_head + heads[j], against positions p0.. of cache block `block` (kv head `kv_head`), one
     lane a position. Each is four chains over head_dim (d mod 4; the dims past the last whole four
     continue the first), combined as ((c0 + c1) + (c2 + c3)) * scale."""
-    arrays = (q, k_cache, scores)
-    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
-            and isinstance(heads, types.BaseTuple)):
+    if not (float32_arrays(q, k_cache, scores) and tuples(heads)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -126,9 +124,7 @@ def _values(typingctx, weights, column, n, heads, count, v_cache, block, kv_head
     """acc[heads[j], d:d + LANES] for j < count and d in dims (lanes past head_dim left alone), continued
     by positions 0..n-1 of cache block `block` (kv head `kv_head`), in order: one fma a position, of
     weights[heads[j], column + t] and that position's value row."""
-    arrays = (weights, v_cache, acc)
-    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
-            and isinstance(heads, types.BaseTuple) and isinstance(dims, types.BaseTuple)):
+    if not (float32_arrays(weights, v_cache, acc) and tuples(heads, dims)):
         return None
 
     def codegen(context, builder, signature, args):
