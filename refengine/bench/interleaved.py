@@ -30,17 +30,20 @@ def _decode_step(engine) -> tuple[float, int] | None:
 
 
 def _in_turns(model: Model, engines: dict[str, tuple[str, list[BenchRequest], int]], label: str) -> dict[str, float]:
-    """Step the engines (name: (mode, requests, max_num_seqs)) alternately until the first one is done;
-    each one's decode tokens/s over its decode-only steps, and how many there were."""
+    """Step the engines (name: (mode, requests, max_num_seqs)) alternately, which one goes first swapping
+    every round, until the first one named is done; each one's decode tokens/s over its decode-only
+    steps, and how many there were."""
     started = {name: start_engine(model, requests, mode, seats) for name, (mode, requests, seats) in engines.items()}
     first = started[next(iter(engines))]
     steps = {name: [] for name in engines}
+    order = list(started.items())
     with tqdm(total=sum(r.max_tokens for r in engines[next(iter(engines))][1]), desc=label, unit="tok",
               leave=False) as bar:
         while first.has_unfinished():
-            for name, engine in started.items():
+            for name, engine in order:
                 if engine.has_unfinished() and (step := _decode_step(engine)) is not None:
                     steps[name].append(step)
+            order.reverse()
             bar.n = sum(len(o.token_ids) for o in first.outputs().values())
             bar.refresh()
     rates = {name: sum(t for _, t in s) / sum(sec for sec, _ in s) for name, s in steps.items() if s}
