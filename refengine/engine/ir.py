@@ -1,4 +1,5 @@
-"""What the loop bodies written as LLVM IR share (packed._chains, paged_attention._scores and _values).
+"""What the loop bodies written as LLVM IR share (packed._chains, paged_attention._scores and _values,
+kernels._sum_of_squares).
 
 Why IR rather than numba loops: numba keeps a loop's accumulators in an array, and LLVM cannot hold
 an array in registers across a loop that also reads other arrays (they might alias it). Such a loop
@@ -21,6 +22,7 @@ LANES = 16  # float32 lanes of a 512-bit vector; on a narrower CPU LLVM splits e
 I32 = ir.IntType(32)
 VECTOR = ir.VectorType(ir.FloatType(), LANES)
 MASK = ir.VectorType(ir.IntType(1), LANES)
+ZERO = ir.Constant(VECTOR, [0.0] * LANES)
 
 
 def float32_arrays(*arrays) -> bool:
@@ -101,7 +103,7 @@ class Emitter:
 
     def mask(self, count):
         """Lanes below `count` (an intp; none where it is <= 0)."""
-        lanes = ir.Constant(ir.VectorType(self.intp, LANES), list(range(LANES)))
+        lanes = ir.Constant(ir.VectorType(self.intp, LANES), list(range(LANES)))  # 0, 1, ..., LANES - 1
         counts = self.builder.insert_element(ir.Constant(ir.VectorType(self.intp, LANES), ir.Undefined), count,
                                              I32(0))
         counts = self.builder.shuffle_vector(counts, counts, ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
@@ -161,6 +163,3 @@ class Emitter:
 
     def below(self, a, b):
         return self.builder.icmp_signed("<", a, b)
-
-
-ZERO = ir.Constant(VECTOR, [0.0] * LANES)

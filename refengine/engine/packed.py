@@ -23,8 +23,8 @@ rounding). No chain is split or reordered. tests/test_packed.py checks every row
 rows, at every position, threaded and not, against the row alone and against float64.
 
 The body is LLVM IR, so that its accumulators stay in registers (engine/ir.py says why numba's do
-not). Why it prefetches: a thread reading one block from
-memory waits on each cache line, far below the bandwidth that several streams get. So each step
+not). Why it prefetches: a thread reading one block from memory waits on each cache line, far below
+the bandwidth that several streams get. So each step
 prefetches AHEAD input positions ahead in every block it reads; and where a batch's rows take several
 passes over a block (the later ones from cache), the second and third passes fetch the thread's next
 block instead, so that its first pass need not wait for memory.
