@@ -256,3 +256,49 @@ def test_an_unreachable_server_is_a_usage_error(capsys):
     assert main(["validate", "--url", url, "--golden", str(GOLDEN)]) == 2
     captured = capsys.readouterr()
     assert len(captured.err.splitlines()) == 1 and url in captured.err and captured.out == ""
+
+
+# --- a hang-up after the server had sent the rest ---------------------------------------------------
+def test_a_hang_up_counts_what_the_server_had_already_sent():
+    """A server writes ahead of a slow reader. A client that hangs up after reading one token chunk
+    counts the chunks that had already arrived and whether the answer's end was among them, and abort
+    accounting holds the server only to the tokens it had not yet sent. Here a real HTTP server on
+    127.0.0.1 writes its whole stream in one write, then holds the connection until the test ends."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from refengine.validate.client import Endpoint
+    from refengine.validate.load import tokens_to_come
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            chunk = {"choices": [{"index": 0, "text": "a", "token_ids": [7], "finish_reason": None}]}
+            events = [chunk] * body["sent"]
+            if body["ends"]:
+                events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+            stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + ("data: [DONE]\n\n" if body["ends"] else "")
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + stream.encode())
+            self.wfile.flush()
+            release.wait(DEADLINE_S)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = Endpoint(f"http://127.0.0.1:{server.server_address[1]}", DEADLINE_S)
+    try:
+        whole = endpoint.complete("/v1/completions", {"prompt": "x", "stream": True, "sent": 50, "ends": True}, 1)
+        part = endpoint.complete("/v1/completions", {"prompt": "x", "stream": True, "sent": 10, "ends": False}, 1)
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+    assert whole.cancelled and whole.token_ids == [7] and whole.unread == (49, True)
+    assert part.cancelled and part.token_ids == [7] and part.unread == (9, False)
+    records = [{"tokens": 1, "unread_tokens": c.unread[0], "unread_end": c.unread[1]} for c in (whole, part)]
+    assert [tokens_to_come(r, 60) for r in records] == [0, 50]
+    assert tokens_to_come({"tokens": None}, 60) is None and tokens_to_come({"tokens": 3}, None) is None

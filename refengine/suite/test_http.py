@@ -12,7 +12,7 @@ else an in-process refengine server on 127.0.0.1 serving the default tiny model 
   margin within the golden tolerance;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort: every streamed request that hung up while its golden answer had more than
-  ABORT_WITHIN_STEPS tokens to come is counted aborted by the server (`requests_aborted`) within
+  ABORT_WITHIN_STEPS tokens the server had not yet sent is counted aborted by it (`requests_aborted`) within
   ABORT_WITHIN_STEPS engine steps of the hang-up — long before it would have finished — and the
   schedule's aborts are at most its hang-ups and errors (skipped on a server that counts no aborts or
   no engine steps);
@@ -46,7 +46,7 @@ from ..validate.drain import (
     wait_drained,
     wait_drained_within_steps,
 )
-from ..validate.load import MIN_OVERLAP_FRACTION, replay
+from ..validate.load import MIN_OVERLAP_FRACTION, replay, tokens_to_come
 from ..validate.plan import Planned
 from ..validate.precision import agreeing
 from ..validate.report import describe_record
@@ -254,10 +254,11 @@ class StatusPoller:
             self._stop.wait(STATUS_POLL_S)
 
 
-def tokens_to_come(server: Server, record: dict) -> int:
-    """How many tokens the golden answer of a hung-up request had after the ones it received."""
+def unsent(server: Server, record: dict) -> int:
+    """How many tokens of its golden answer a hung-up request's server had not yet sent
+    (validate.load.tokens_to_come)."""
     case = next(c for c in server.golden.cases if c.id == record["case"])
-    return len(case.token_ids) - (record["tokens"] or 0)
+    return tokens_to_come(record, len(case.token_ids)) or 0
 
 
 def hang_ups_are_aborts(server: Server, schedule) -> None:
@@ -269,14 +270,14 @@ def hang_ups_are_aborts(server: Server, schedule) -> None:
                                                          idle_s=IDLE_S, deadline_s=DRAIN_DEADLINE_S, poll_s=STATUS_POLL_S)
     samples = poller.samples + [(time.monotonic(), last)]
     must_abort = sorted((r for r in records if r["verdict"] == "cancelled"
-                         and tokens_to_come(server, r) > ABORT_WITHIN_STEPS), key=lambda r: r["done_s"])
+                         and unsent(server, r) > ABORT_WITHIN_STEPS), key=lambda r: r["done_s"])
     may_abort = sum(r["verdict"] in ("cancelled", "error") for r in records)
     for n, r in enumerate(must_abort, 1):
         at_hang_up = next((s for t, s in samples if t >= start + r["done_s"]), last)
         later = next((s for _, s in samples if s.steps >= at_hang_up.steps + ABORT_WITHIN_STEPS), last)
         if later.aborted - baseline.aborted < n:
             fail(server, "http-hang-ups-are-aborts",
-                 f"{r['id']} hung up after {r['tokens']} tokens with {tokens_to_come(server, r)} to come, at "
+                 f"{r['id']} hung up after {r['tokens']} tokens with {unsent(server, r)} not yet sent, at "
                  f"engine step {at_hang_up.steps}; {later.steps - at_hang_up.steps} steps later the server had "
                  f"counted {later.aborted - baseline.aborted} aborts for the schedule's first {n} such hang-ups "
                  f"(requests_aborted from {baseline.source}); http schedule:\n" + outcomes(records), records)

@@ -23,7 +23,7 @@ from .baseline import GoldenBaseline, SerialBaseline
 from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
 from .drain import server_state, wait_drained
-from .load import VERDICTS, overlap, replay
+from .load import VERDICTS, overlap, replay, tokens_to_come
 from .plan import Planned, Settings, plan, probe_bodies
 from .precision import precision
 
@@ -156,16 +156,15 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
 
 def abort_accounting(requests: list[dict], counted: int, baseline) -> dict:
     """A hang-up is an abort: every request that hung up with more than ABORT_SLACK tokens of its
-    baseline answer still to come must have been counted as aborted by the server (by the end of the
+    baseline answer not yet sent must have been counted as aborted by the server (by the end of the
     drain it would otherwise have finished), and no more requests than hung up or failed."""
     def to_come(r):
-        expected = baseline.expected_tokens(r["case"], r["api"])
-        return None if expected is None or r["tokens"] is None else expected - r["tokens"]
+        return tokens_to_come(r, baseline.expected_tokens(r["case"], r["api"]))
 
     must = [r["id"] for r in requests if r["verdict"] == "cancelled" and (to_come(r) or 0) > ABORT_SLACK]
     may = sum(r["verdict"] in ("cancelled", "error") for r in requests)
     ok = len(must) <= counted <= may
-    note = (f"{counted} aborts counted for {len(must)} hang-ups with more than {ABORT_SLACK} tokens to come "
+    note = (f"{counted} aborts counted for {len(must)} hang-ups with more than {ABORT_SLACK} tokens unsent "
             f"({may} requests hung up or failed)")
     return {"counted": counted, "must": must, "may": may, "ok": ok, "note": note}
 

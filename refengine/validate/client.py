@@ -125,9 +125,32 @@ def _streamed(resp: http.client.HTTPResponse, cancel_after: int | None, sock: so
             raise ServerError(f"stream: error event: {chunk['error']}")
         stream.add(chunk)
         if cancel_after is not None and stream.chunks >= cancel_after and stream.finish_reason is None:
-            sock.shutdown(socket.SHUT_RDWR)  # the server sees the hang-up at once, not at the next write
-            return stream.completion(cancelled=True, done_marker=None)
+            unread = _unread(resp, sock)
+            if sock.fileno() != -1:  # (a part of a chunk there makes http.client close the socket itself)
+                sock.shutdown(socket.SHUT_RDWR)  # the server sees the hang-up at once, not at the next write
+            return stream.completion(cancelled=True, done_marker=None, unread=unread)
     if stream.finish_reason is None:
         raise ServerError(f"stream: closed after {stream.chunks} token chunks without a finish_reason "
                           f"(and without data: [DONE])")
     return stream.completion(cancelled=False, done_marker=False)
+
+
+def _unread(resp: http.client.HTTPResponse, sock: socket.socket) -> tuple[int, bool]:
+    """What the server had sent by the time we hang up that we had not read: its token chunks, and
+    whether the answer's end was among them. A server writes ahead of a slow reader (the socket
+    buffers hold hundreds of tokens), so a client that hangs up after reading k tokens may do so
+    after the server sent every token: the server had finished, and there was nothing to abort.
+    Reads only what has arrived, without waiting (a part of a chunk ends the count)."""
+    sock.setblocking(False)
+    ahead = Stream()
+    try:
+        for payload in _events(resp):
+            chunk = None if payload == "[DONE]" else json.loads(payload)
+            if not isinstance(chunk, dict):
+                return ahead.chunks, payload == "[DONE]"
+            ahead.add(chunk)
+            if ahead.finish_reason is not None:
+                return ahead.chunks, True
+    except (OSError, ValueError, http.client.HTTPException):  # nothing more has arrived yet
+        pass
+    return ahead.chunks, False

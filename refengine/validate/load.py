@@ -36,9 +36,22 @@ def send_one(endpoint: Endpoint, p: Planned, served_model: str, baseline, start:
         entry["logprobs"] = [t.logprob for t in completion.logprobs]
     if completion.note:
         entry["note"] = completion.note
+    if completion.unread is not None:
+        entry["unread_tokens"], entry["unread_end"] = completion.unread
     if completion.cancelled:
         return {**entry, "verdict": "cancelled"}
     return {**entry, **baseline.judge(p, completion)}
+
+
+def tokens_to_come(record: dict, expected: int | None) -> int | None:
+    """How many of a hung-up request's `expected` tokens the server had not yet sent when the client
+    hung up: expected minus those received and those sent but unread (client._unread); 0 when the
+    answer's end had been sent; None when either count is unknown."""
+    if record.get("unread_end"):
+        return 0
+    if expected is None or record.get("tokens") is None:
+        return None
+    return expected - record["tokens"] - record.get("unread_tokens", 0)
 
 
 def ended(sent: float, start: float) -> dict:

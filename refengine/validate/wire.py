@@ -39,6 +39,9 @@ class Completion:
     done_marker: bool | None = None     # streamed: whether `data: [DONE]` ended it; None: not streamed
     note: str | None = None             # why ids were set aside, when they were
     logprobs: list[TokenLogprob] | None = None  # per generated token; None: not reported (for every token)
+    # A hang-up's: the token chunks the server had already sent that we had not read, and whether the
+    # answer's end was among them (client._unread); None: not a hang-up.
+    unread: tuple[int, bool] | None = None
 
 
 def _ints(value) -> list[int] | None:
@@ -189,10 +192,10 @@ class Stream:
         if self.prompt_ids is None and not choices:
             self.prompt_ids = _ints(chunk.get("prompt_token_ids"))
 
-    def completion(self, cancelled: bool, done_marker: bool | None) -> Completion:
+    def completion(self, cancelled: bool, done_marker: bool | None, unread: tuple[int, bool] | None = None) -> Completion:
         reported = self.ids_from is not None and not self.text_without_ids
         ids, note = checked(self.ids if reported else None, self.ids_from, None if cancelled else self.usage)
         logprobs = None if self.tokens_without_logprobs or not self.logprobs else counted(self.logprobs, ids)
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
-                          done_marker=done_marker, note=note, logprobs=logprobs)
+                          done_marker=done_marker, note=note, logprobs=logprobs, unread=unread)
