@@ -273,12 +273,13 @@ def hang_ups_are_aborts(server: Server, schedule) -> None:
     must_abort = sorted((r for r in records if r["verdict"] == "cancelled"
                          and unsent(server, r) > ABORT_WITHIN_STEPS), key=lambda r: r["done_s"])
     may_abort = sum(r["verdict"] in ("cancelled", "error") for r in records)
-    held = []  # a hang-up after which the engine stepped on ABORT_WITHIN_STEPS times: it had to abort by then
+    held = []  # each hang-up the server had to abort, with the status at it and ABORT_WITHIN_STEPS steps later
     for r in must_abort:
         at_hang_up = next((s for t, s in samples if t >= start + r["done_s"]), last)
         later = next((s for _, s in samples if s.steps >= at_hang_up.steps + ABORT_WITHIN_STEPS), None)
-        if later is not None:  # else the engine went idle first: the request had ended, its writes behind it
-            held.append((r, at_hang_up, later))
+        if later is None and ok:  # the engine went idle within those steps: the request had ended in it
+            continue
+        held.append((r, at_hang_up, later or last))
     for n, (r, at_hang_up, later) in enumerate(held, 1):
         if later.aborted - baseline.aborted < n:
             fail(server, "http-hang-ups-are-aborts",
