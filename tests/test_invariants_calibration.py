@@ -34,6 +34,16 @@ def test_stored_calibration_is_the_default_models_and_matches_the_golden_header(
     assert header["noise"] == stored
 
 
+def test_a_committed_calibration_is_handed_out_as_a_copy():
+    """The committed files are read once per process (the suite asks per example): what one caller does
+    to its calibration never reaches the next caller."""
+    model = tiny_model()
+    first = stored_calibration(model)
+    assert first == load_calibration(STORED)
+    first["f32_vs_f64"] = 1e9
+    assert stored_calibration(model) == load_calibration(STORED)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_every_suite_model_has_a_committed_calibration_under_its_ceiling(name):
     """No suite model is ever calibrated on first use with the engine under test."""

@@ -280,11 +280,18 @@ def stored_calibration(model: Model) -> dict | None:
     """The calibration shipped beside the golden files (refengine/data/golden/*.calibration.json) for this model:
     float64 BLAS results differ in the last bits between CPUs, so a bound measured anew on another
     machine would make a golden refresh there differ byte-wise."""
+    data = _committed_calibrations().get(model.fingerprint)
+    return None if data is None else dict(data)  # a copy: callers may change theirs
+
+
+@functools.cache  # package data does not change under a running process, and the suite asks per example
+def _committed_calibrations() -> dict[str, dict]:
+    """Every shipped calibration by its model's fingerprint (the first file, in name order, for each)."""
+    found: dict[str, dict] = {}
     for path in sorted(shipped(STORED_DIR).glob("*.calibration.json")):
         data = load_calibration(path)
-        if data.get("model_fingerprint") == model.fingerprint:
-            return data
-    return None
+        found.setdefault(data.get("model_fingerprint"), data)
+    return found
 
 
 @functools.cache  # neither the sources nor the loaded libraries change under a running process

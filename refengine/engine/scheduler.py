@@ -32,15 +32,11 @@ class ScheduledChunk:
     start: int       # first position fed this step
     num_tokens: int
     phase: str       # "prefill" | "decode"
+    samples: bool    # the chunk reaches the sequence's last token, so its last row yields a new token
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so its last row yields a new token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -136,7 +132,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.block_manager.allocate(seq.block_table, start + num_tokens)
         phase = "decode" if seq.is_decode(start, num_tokens) else "prefill"
-        return ScheduledChunk(seq, start, num_tokens, phase)
+        return ScheduledChunk(seq, start, num_tokens, phase, start + num_tokens == seq.num_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         freed = list(seq.block_table.block_ids)
