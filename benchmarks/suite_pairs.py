@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 HARNESS = r"""
-import json, statistics, sys
+import json, sys
 from hypothesis import given, settings, strategies as st
 from refengine.bench.suite import suite_properties, suite_settings, time_property
 from refengine.engine import EngineConfig, LLMEngine

@@ -41,6 +41,7 @@ def test_a_committed_calibration_is_handed_out_as_a_copy():
     first = stored_calibration(model)
     assert first == load_calibration(STORED)
     first["f32_vs_f64"] = 1e9
+    first["measured"].clear()
     assert stored_calibration(model) == load_calibration(STORED)
 
 

@@ -61,6 +61,7 @@ is 3-6 logits, 2000-5000x above (tests/test_bounds.py).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -281,7 +282,7 @@ def stored_calibration(model: Model) -> dict | None:
     float64 BLAS results differ in the last bits between CPUs, so a bound measured anew on another
     machine would make a golden refresh there differ byte-wise."""
     data = _committed_calibrations().get(model.fingerprint)
-    return None if data is None else dict(data)  # a copy: callers may change theirs
+    return None if data is None else copy.deepcopy(data)  # callers may change theirs
 
 
 @functools.cache  # package data does not change under a running process, and the suite asks per example
