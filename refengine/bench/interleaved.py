@@ -4,29 +4,34 @@ The machines this runs on are VMs whose memory bandwidth moves with their host's
 for the same read within an hour), so a serial run and a batched run minutes apart can differ by 20%
 from that alone. Stepping a serial engine and a batched engine alternately gives both the same
 machine; the ratio of their decode rates is then the batching gain. The same holds for invariant
-mode against fast mode at one batch size (modes_ratio). Likewise a batch-1 step is held against a
-read of memory right after it, not against the best the machine showed at another time.
+mode against fast mode at one batch size (modes_ratio). Likewise a step is held against its
+roofline at the machine figure measured right after it (against_probe: a read of memory for a
+memory-bound step, a square sgemm for a compute-bound one), not against the best the machine showed
+at another time.
 """
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 
 import numpy as np
 from tqdm import tqdm
 
 from ..model import Model
-from .roofline import MatvecRead, streamed_parameters
+from .roofline import GemmRate, MatvecRead, Roofline
 from .workloads import BenchRequest, start_engine
 
 
-def _decode_step(engine) -> tuple[float, int] | None:
-    """(seconds, tokens) of one step, or None when it was not decode-only."""
+def _decode_step(engine) -> tuple[float, list[str]] | None:
+    """(seconds, the ids of the rows it decoded) of one step, or None when it was not decode-only."""
     started = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - started
     scheduled = engine.trace[-1]["scheduled"]
     engine.trace.clear()  # only this step's entry is read; a long run would otherwise keep every step
-    return (seconds, len(scheduled)) if scheduled and all(s["phase"] == "decode" for s in scheduled) else None
+    decoded = scheduled and all(s["phase"] == "decode" for s in scheduled)
+    return (seconds, [s["id"] for s in scheduled]) if decoded else None
 
 
 def _in_turns(model: Model, engines: dict[str, tuple[str, list[BenchRequest], int]], label: str) -> dict[str, float]:
@@ -46,7 +51,7 @@ def _in_turns(model: Model, engines: dict[str, tuple[str, list[BenchRequest], in
             order.reverse()
             bar.n = sum(len(o.token_ids) for o in first.outputs().values())
             bar.refresh()
-    rates = {name: sum(t for _, t in s) / sum(sec for sec, _ in s) for name, s in steps.items() if s}
+    rates = {name: sum(len(ids) for _, ids in s) / sum(sec for sec, _ in s) for name, s in steps.items() if s}
     return {"decode_steps": {name: len(s) for name, s in steps.items()}, "decode_tok_s": rates}
 
 
@@ -72,21 +77,51 @@ def modes_ratio(model: Model, requests: list[BenchRequest], max_num_seqs: int) -
     return {"batch": max_num_seqs, **turns, "ratio": rates["invariant"] / rates["fast"] if len(rates) == 2 else None}
 
 
-def batch1_vs_bandwidth(model: Model, requests: list[BenchRequest]) -> dict:
-    """Run `requests` one after another at batch 1 (fast), each decode step followed by a matrix-vector
-    product over 512 MB; per step, its time over the weight-read time at that product's bandwidth."""
-    engine = start_engine(model, requests, "fast", 1)
-    weight_bytes = streamed_parameters(model.config) * 4
-    ratios, bandwidths = [], []
-    read = MatvecRead()
-    with tqdm(total=sum(r.max_tokens for r in requests), desc="fast B=1 with bandwidth reads", unit="tok",
-              leave=False) as bar:
+def _until_idle(window: float = 0.02, limit: float = 2.0) -> None:
+    """Wait until this process uses under a quarter of a core over one `window`: OpenBLAS's threads
+    spin for ~140 ms after each call, on the cores the engine's next step needs."""
+    deadline = time.perf_counter() + limit
+    while time.perf_counter() < deadline:
+        before = os.times()
+        time.sleep(window)
+        after = os.times()
+        if (after.user + after.system) - (before.user + before.system) < window / 4:
+            return
+
+
+def _context(engine, ids: list[str]) -> float:
+    """Mean positions the rows of the decode step just taken attended over: each one's input token
+    and everything before it."""
+    return float(np.mean([len(engine.output(i).prompt_ids) + len(engine.output(i).token_ids) - 1 for i in ids]))
+
+
+def against_probe(model: Model, requests: list[BenchRequest], max_num_seqs: int, roofline: Roofline) -> dict:
+    """Run `requests` in one fast engine at `max_num_seqs`; after each decode step, measure the
+    machine figure that bounds such a step in `roofline` (the sgemm rate where the step is
+    compute-bound, else a 512 MB matrix-vector read), with the process idle before the step and before
+    the probe. Per step its roofline at that figure; the median of roofline over step time is the share
+the goals take."""
+    batch = min(max_num_seqs, len(requests))
+    context = float(np.mean([len(r.prompt_ids) + r.max_tokens / 2 for r in requests]))
+    compute = roofline.compute_seconds(batch) >= roofline.memory_seconds(batch, context)
+    probe = GemmRate() if compute else MatvecRead()
+    engine = start_engine(model, requests, "fast", max_num_seqs)
+    steps = []
+    with tqdm(total=sum(r.max_tokens for r in requests), desc=f"fast B={batch} with {probe.name} probes",
+              unit="tok", leave=False) as bar:
         while engine.has_unfinished():
+            _until_idle()
             if (step := _decode_step(engine)) is not None:
-                bandwidths.append(read.bandwidth(repeats=1))
-                ratios.append(step[0] / (weight_bytes / bandwidths[-1]))
+                seconds, ids = step
+                _until_idle()
+                figure, context = probe.measure(), _context(engine, ids)
+                at = replace(roofline, flops=figure) if compute else replace(roofline, bandwidth=figure)
+                steps.append({"seconds": seconds, "rows": len(ids), "context": context, "figure": figure,
+                              "roofline_s": at.step_seconds(len(ids), context)})
             bar.n = sum(len(o.token_ids) for o in engine.outputs().values())
             bar.refresh()
-    return {"decode_steps": len(ratios), "ratio": float(np.median(ratios)) if ratios else None,
-            "bandwidth_median": float(np.median(bandwidths)) if bandwidths else None,
-            "bandwidth_range": [float(min(bandwidths)), float(max(bandwidths))] if bandwidths else None}
+    figures = [s["figure"] for s in steps]
+    return {"batch": batch, "probe": probe.name, "decode_steps": len(steps), "steps": steps,
+            "share": float(np.median([s["roofline_s"] / s["seconds"] for s in steps])) if steps else None,
+            "figure_median": float(np.median(figures)) if steps else None,
+            "figure_range": [min(figures), max(figures)] if steps else None}

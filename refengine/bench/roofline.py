@@ -55,14 +55,30 @@ class MatvecRead:
     that measures the machine rather than itself: a numpy thread pool there competes with OpenBLAS's
     threads, which spin for a while after each call (measured: 29-40 GB/s right after a burst of
     matrix-vector products where the same read gave 45 GB/s on an idle machine)."""
+    name = "matrix-vector read"
 
     def __init__(self, width: int = 1024):
         self.matrix = np.ones((STREAM_BYTES // 4 // width, width), dtype=np.float32)
         self.vector = np.ones(width, dtype=np.float32)
 
-    def bandwidth(self, repeats: int) -> float:
+    def measure(self, repeats: int = 1) -> float:
         """Bytes per second of the fastest of `repeats` products (after one to warm up)."""
         return self.matrix.nbytes / _best_seconds(lambda: self.matrix @ self.vector, repeats)
+
+
+class GemmRate:
+    """A large square float32 gemm through numpy's BLAS (all its threads): the compute probe, in the
+    machine's figures and between engine steps."""
+    name = "sgemm"
+
+    def __init__(self, size: int = GEMM_SIZE):
+        rng = np.random.default_rng(0)
+        self.a = rng.standard_normal((size, size), dtype=np.float32)
+        self.b = rng.standard_normal((size, size), dtype=np.float32)
+
+    def measure(self, repeats: int = 1) -> float:
+        """Flop/s of the fastest of `repeats` products (after one to warm up)."""
+        return 2 * self.a.shape[0] ** 3 / _best_seconds(lambda: self.a @ self.b, repeats)
 
 
 def foreign_cpu_seconds() -> float | None:
@@ -77,14 +93,6 @@ def foreign_cpu_seconds() -> float | None:
         return None
     busy = sum(fields) - fields[3] - fields[4]   # all time but idle and iowait, every core
     return (busy - int(own[11]) - int(own[12])) / os.sysconf("SC_CLK_TCK")  # minus our utime + stime
-
-
-def sgemm_flops(size: int = GEMM_SIZE, repeats: int = 3) -> float:
-    """Float32 flop/s of numpy's BLAS on a square product (all BLAS threads)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((size, size), dtype=np.float32)
-    b = rng.standard_normal((size, size), dtype=np.float32)
-    return 2 * size ** 3 / _best_seconds(lambda: a @ b, repeats)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class Machine:
 def measure_machine() -> Machine:
     threads = os.cpu_count() or 1
     return Machine(bandwidth_1thread=streaming_bandwidth(1), bandwidth_all=streaming_bandwidth(threads),
-                   threads=threads, sgemm_flops=sgemm_flops(), load_average=os.getloadavg()[0])
+                   threads=threads, sgemm_flops=GemmRate().measure(repeats=3), load_average=os.getloadavg()[0])
 
 
 def streamed_parameters(cfg: ModelConfig) -> int:
