@@ -100,7 +100,7 @@ def against_probe(model: Model, requests: list[BenchRequest], max_num_seqs: int,
     machine figure that bounds such a step in `roofline` (the sgemm rate where the step is
     compute-bound, else a 512 MB matrix-vector read), with the process idle before the step and before
     the probe. Per step its roofline at that figure; the median of roofline over step time is the share
-the goals take."""
+    the goals take."""
     batch = min(max_num_seqs, len(requests))
     context = float(np.mean([len(r.prompt_ids) + r.max_tokens / 2 for r in requests]))
     compute = roofline.compute_seconds(batch) >= roofline.memory_seconds(batch, context)
