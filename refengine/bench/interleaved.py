@@ -102,8 +102,8 @@ def against_probe(model: Model, requests: list[BenchRequest], max_num_seqs: int,
     the probe. Per step its roofline at that figure; the median of roofline over step time is the share
     the goals take."""
     batch = min(max_num_seqs, len(requests))
-    context = float(np.mean([len(r.prompt_ids) + r.max_tokens / 2 for r in requests]))
-    compute = roofline.compute_seconds(batch) >= roofline.memory_seconds(batch, context)
+    mean_context = float(np.mean([len(r.prompt_ids) + r.max_tokens / 2 for r in requests]))
+    compute = roofline.compute_seconds(batch) >= roofline.memory_seconds(batch, mean_context)
     probe = GemmRate() if compute else MatvecRead()
     engine = start_engine(model, requests, "fast", max_num_seqs)
     steps = []
@@ -114,10 +114,10 @@ def against_probe(model: Model, requests: list[BenchRequest], max_num_seqs: int,
             if (step := _decode_step(engine)) is not None:
                 seconds, ids = step
                 _until_idle()
-                figure, context = probe.measure(), _context(engine, ids)
+                figure, attended = probe.measure(), _context(engine, ids)
                 at = replace(roofline, flops=figure) if compute else replace(roofline, bandwidth=figure)
-                steps.append({"seconds": seconds, "rows": len(ids), "context": context, "figure": figure,
-                              "roofline_s": at.step_seconds(len(ids), context)})
+                steps.append({"seconds": seconds, "rows": len(ids), "context": attended, "figure": figure,
+                              "roofline_s": at.step_seconds(len(ids), attended)})
             bar.n = sum(len(o.token_ids) for o in engine.outputs().values())
             bar.refresh()
     figures = [s["figure"] for s in steps]
