@@ -24,10 +24,11 @@ rows, at every position, threaded and not, against the row alone and against flo
 
 The body is LLVM IR, so that its accumulators stay in registers (engine/ir.py says why numba's do
 not). Why it prefetches: a thread reading one block from memory waits on each cache line, far below
-the bandwidth that several streams get. So each step
-prefetches AHEAD input positions ahead in every block it reads; and where a batch's rows take several
-passes over a block (the later ones from cache), the second and third passes fetch the thread's next
-block instead, so that its first pass need not wait for memory.
+the bandwidth that several streams get. So each step prefetches AHEAD input positions ahead in every
+block it reads; and where a batch's rows take several passes over a block, each pass fetches its
+share of the thread's next block instead. Past a thread's first block every pass then reads from
+cache, and memory is read at one pace through all of them, not in bursts that the bandwidth cannot
+meet (README, Performance, has the measurement).
 benchmarks/test_bench_kernels.py measures the products against numpy's BLAS.
 """
 from __future__ import annotations
@@ -49,7 +50,6 @@ BLOCK = 32  # outputs per block: two 512-bit vectors per row
 GROUP = 8 if WIDE_VECTORS else 2
 ONE_ROW_BLOCKS = 4 if WIDE_VECTORS else 2
 AHEAD = 32  # input positions the prefetch runs ahead in a block's stream (4 KB)
-LINE = 16   # floats per 64-byte cache line
 # Below this many weight bytes a product runs on the calling thread: a second thread cannot pay for
 # its wake-up there, and when every core is busy (a test run on all cores) the wake-up can cost a
 # whole scheduler slice.
@@ -145,17 +145,19 @@ def _chains(typingctx, x, blocks, out, rows, count, block_ids, nblocks, prefetch
 
 @jit
 def _groups(x, blocks, out, b):
-    """Output block b of every row, GROUP rows at a time. The first group reads the block from memory,
-    prefetching ahead in it; the second and third read it from cache and fetch block b + 1, half
-    each: the thread's next task, since prange hands each thread a contiguous range of tasks."""
+    """Output block b of every row, GROUP rows at a time. In one pass, the block streams from memory,
+    prefetched AHEAD positions ahead; in several, pass g fetches the g-th of `passes` shares of block
+    b + 1 (the thread's next task: prange hands each thread a contiguous range of tasks)."""
     rows, size = x.shape
     last = rows - 1
+    passes = -(-rows // GROUP)
+    share = -(-BLOCK // passes)  # floats of the next block a step fetches: the passes cover its size * BLOCK
     for r0 in range(0, rows, GROUP):
         group = r0 // GROUP
-        if group == 0:
+        if passes > 1 and b + 1 < blocks.shape[0]:
+            prefetch_at, prefetch_step = size * BLOCK + group * size * share, share
+        elif group == 0:
             prefetch_at, prefetch_step = AHEAD * BLOCK, BLOCK
-        elif group <= BLOCK // LINE and b + 1 < blocks.shape[0]:  # a line a step: a block's lines in two passes
-            prefetch_at, prefetch_step = size * BLOCK + (group - 1) * size * LINE, LINE
         else:
             prefetch_at, prefetch_step = 0, 0
         if r0 == last:
