@@ -88,3 +88,61 @@ def test_the_cli_reference_shows_the_parsers_defaults(cli_page):
             default = parsed[flag.lstrip("-").replace("-", "_")]
             if default not in (None, False) and flag != "--url":
                 assert f"`{default}`" in row.split(" | ")[1], (argv, flag, default, row)
+
+
+@pytest.fixture(scope="module")
+def performance():
+    return hook("performance")
+
+
+def table_rows(page: str, heading: str) -> int:
+    """Data rows of the first table after `heading`."""
+    section = page.split(heading, 1)[1]
+    table = section[section.index("\n|"):].split("\n\n", 1)[0].strip().splitlines()
+    return len(table) - 2  # header and rule
+
+
+def test_every_committed_bench_run_renders_with_its_own_figures(performance):
+    runs = performance.runs()
+    assert runs
+    for run in runs:
+        page = performance.run_page(run)
+        assert run["date"] in page and run["machine"] in page and run["command"] in page
+        path = performance.DATA / run["file"]
+        if path.suffix != ".json":
+            assert path.read_text(encoding="utf-8").strip() in page
+            continue
+        report = json.loads(path.read_text(encoding="utf-8"))
+        if "decode" in report:
+            assert table_rows(page, "## Decode throughput") == len(report["decode"]["rows"])
+            for row in report["decode"]["rows"]:
+                assert f"| {row['batch']} | {row['mode']} | {row['decode_tok_s']:.1f} |" in page
+        if "suite" in report:
+            assert table_rows(page, "## Suite throughput") == len(report["suite"]["properties"]) + 1
+            assert f"{report['suite']['total']['schedules_per_s']:.1f}" in page
+
+
+def test_a_report_of_one_scenario_renders_only_that_scenario(performance, tmp_path):
+    source = next(run for run in performance.runs() if run["file"].endswith(".json"))
+    report = json.loads((performance.DATA / source["file"]).read_text(encoding="utf-8"))
+    for scenario in ("decode", "kestrel", "reference"):
+        report.pop(scenario, None)
+    (tmp_path / "one.json").write_text(json.dumps(report), encoding="utf-8")
+    page = performance.run_page({**source, "file": "one.json"}, tmp_path)
+    assert "## Suite throughput" in page and "## Decode throughput" not in page and "## Kestrel" not in page
+
+
+def test_runs_and_data_files_must_agree(performance, tmp_path):
+    (tmp_path / "2030-01-01-x.json").write_text("{}", encoding="utf-8")
+    (tmp_path / performance.MANIFEST).write_text("[]", encoding="utf-8")
+    with pytest.raises(performance.RunsError):  # a data file nobody dated
+        performance.runs(tmp_path)
+    run = {"file": "2030-01-01-x.json", "date": "2030-01-01", "machine": "m", "commit": "c", "command": "refengine bench"}
+    (tmp_path / performance.MANIFEST).write_text(json.dumps([run]), encoding="utf-8")
+    assert performance.runs(tmp_path) == [run]
+    (tmp_path / performance.MANIFEST).write_text(json.dumps([run, {**run, "file": "gone.json"}]), encoding="utf-8")
+    with pytest.raises(performance.RunsError):  # a listed file that is not there
+        performance.runs(tmp_path)
+    (tmp_path / performance.MANIFEST).write_text(json.dumps([{**run, "machine": ""}]), encoding="utf-8")
+    with pytest.raises(performance.RunsError):  # undated or without its machine
+        performance.runs(tmp_path)
