@@ -8,8 +8,10 @@ argument, default, choice and help text is read from the parser, never copied by
 from __future__ import annotations
 
 import argparse
+import os
 
 PAGE = "reference/cli.md"
+USAGE_COLUMNS = 100
 
 INTRO = """# CLI reference
 
@@ -94,7 +96,15 @@ def markdown(parser: argparse.ArgumentParser | None = None) -> str:
     if parser is None:
         from refengine.cli.app import build_parser
         parser = build_parser()
-    sections = [section(path, sub, summary) for path, sub, summary in commands(parser)]
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(USAGE_COLUMNS)  # argparse wraps usage to the terminal: the same page everywhere
+    try:
+        sections = [section(path, sub, summary) for path, sub, summary in commands(parser)]
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return INTRO + "\n" + "\n".join(sections)
 
 
