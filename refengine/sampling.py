@@ -65,7 +65,7 @@ def greedy_token(logits: np.ndarray) -> int:
 def top2_margin(logits: np.ndarray) -> float:
     """top-1 logit minus top-2 logit: how far the greedy decision is from flipping (the greedy token's
     logit minus the best of the other ids; nan where the row has a nan)."""
-    best = int(np.argmax(logits))  # two max passes, no copy: 5x cheaper than a partition on a 150k vocab
+    best = int(np.argmax(logits))  # two max passes, no copy: cheaper than a partition on a real vocabulary
     second = max(logits[:best].max(initial=-np.inf), logits[best + 1:].max(initial=-np.inf))
     return float(logits[best] - second)
 
@@ -138,7 +138,7 @@ def sampling_order(logits: np.ndarray, temperature: float, k: int = 0) -> np.nda
     order: the k first as _largest_ids finds them, the whole row as one sort of unique 64-bit keys
     (order bits above the id), which numpy sorts with its vectorized quicksort: a stable sort of a real
     vocabulary per sampled token cost a large batch more than everything in its step but the products
-    (README, Performance)."""
+    (docs/performance/)."""
     n = len(logits)
     if logits.dtype != np.float32 or not ORDER_SAFE_TEMPERATURES[0] <= temperature <= ORDER_SAFE_TEMPERATURES[1]:
         order = np.argsort(-(logits.astype(np.float64) / temperature), kind="stable")

@@ -217,7 +217,7 @@ def test_plot_is_a_png(report):
 
 
 # greedy; sampled over every id (HF's top_k 0). The sampled run is slow-marked: torch on both cores for
-# another ~15 s beside the parallel run's HTTP tests starves their servers' threads.
+# a while longer beside the parallel run's HTTP tests starves their servers' threads.
 @pytest.mark.parametrize("sampler", [[], pytest.param(["--temperature", 1.0], marks=pytest.mark.slow)])
 def test_hf_runs_the_same_workload_beside_the_engine(tmp_path, sampler):
     pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The layering is one-way (README "The package"): model -> reference / engine -> check ->
+"""The layering is one-way (docs/contributing.md, "The package"): model -> reference / engine -> check ->
 serve / validate / bench -> cli. Importing a layer must not load a layer above it, and board
 validation must not load the engine at all: what it judges is somebody else's server."""
 from __future__ import annotations

@@ -59,7 +59,7 @@ def faulty(tiny_model, golden):
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory, golden):
-    """The same tiny weights stored as bf16, served at the tolerance README suggests for bf16."""
+    """The same tiny weights stored as bf16, served at the tolerance docs/guides/board-validation.md uses for bf16."""
     model = load_model(make_tiny(tmp_path_factory.mktemp("tiny-bf16"), dtype="BF16"))
     return run_validate(model, golden, EngineConfig(max_num_seqs=8), concurrency=8, seed=1, cancel_rate=0.25,
                         margin_tolerance=0.1)

@@ -40,11 +40,11 @@ for _module in ("torch", "transformers", "fastapi", "uvicorn", "openai"):  # tra
 import refengine
 
 pytestmark = [pytest.mark.parity,
-              pytest.mark.slow,  # 80-120 s on a busy 2-core machine (server start-up ~10-25 s, the properties ~25-45 s)
+              pytest.mark.slow,  # minutes on a busy 2-core machine: a server start-up, then the properties
               pytest.mark.xdist_group("transformers-serve")]  # --dist loadgroup: one worker, one server
 
 HOST = "127.0.0.1"
-STARTUP_DEADLINE_S = 180    # model load + uvicorn startup (about 10 s on an idle 2-core machine)
+STARTUP_DEADLINE_S = 180    # model load + uvicorn startup (far less on an idle machine)
 VALIDATE_TIMEOUT_S = 60     # validate's socket timeout per request
 RUN_TIMEOUT_S = 600         # a hung subprocess fails the test instead of hanging it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # the tiny model's byte-level BPE + ChatML template

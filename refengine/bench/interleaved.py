@@ -1,8 +1,8 @@
 """Ratios measured with the two things compared taking turns.
 
-The machines this runs on are VMs whose memory bandwidth moves with their host's load (35-72 GB/s
-for the same read within an hour), so a serial run and a batched run minutes apart can differ by 20%
-from that alone. Stepping a serial engine and a batched engine alternately gives both the same
+The machines this runs on are VMs whose memory bandwidth moves with their host's load within minutes
+(docs/performance/history.md has figures), so a serial run and a batched run minutes apart can differ
+by that alone. Stepping a serial engine and a batched engine alternately gives both the same
 machine; the ratio of their decode rates is then the batching gain. The same holds for invariant
 mode against fast mode at one batch size (modes_ratio). Likewise a step is held against its
 roofline at the machine figure measured right after it (against_probe: a read of memory for a
@@ -79,7 +79,7 @@ def modes_ratio(model: Model, requests: list[BenchRequest], max_num_seqs: int) -
 
 def _until_idle(window: float = 0.02, limit: float = 2.0) -> None:
     """Wait until this process uses under a quarter of a core over one `window`: OpenBLAS's threads
-    spin for ~140 ms after each call, on the cores the engine's next step needs."""
+    spin for a while after each call, on the cores the engine's next step needs."""
     deadline = time.perf_counter() + limit
     while time.perf_counter() < deadline:
         before = os.times()

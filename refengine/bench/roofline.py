@@ -53,8 +53,8 @@ class MatvecRead:
     """A float32 matrix-vector product over STREAM_BYTES through numpy's BLAS: the read a batch-1
     decode step makes, on the same BLAS threads. Between engine steps this is the bandwidth probe
     that measures the machine rather than itself: a numpy thread pool there competes with OpenBLAS's
-    threads, which spin for a while after each call (measured: 29-40 GB/s right after a burst of
-    matrix-vector products where the same read gave 45 GB/s on an idle machine)."""
+    threads, which spin for a while after each call, so a read right after a burst of products
+    measures less than the memory gives (docs/performance/history.md has the figures)."""
     name = "matrix-vector read"
 
     def __init__(self, width: int = 1024):

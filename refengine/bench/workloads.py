@@ -27,7 +27,7 @@ from .roofline import foreign_cpu_seconds
 PERCENTILES = (50, 90, 99)
 # A step is "contended" when other processes used more than this share of a core during it. On a
 # 2-core machine shared with test runs, BLAS's second thread then waits for a scheduler slice and a
-# step can take 5-10x longer; decode figures come from the quiet steps when there are enough of them.
+# step can take several times longer; decode figures come from the quiet steps when there are enough of them.
 CONTENDED_SHARE = 0.25
 MIN_QUIET_STEPS = 5
 # How a preset is stored when it is not float32 in one file: the 1.7B shape is what the streamed

@@ -25,7 +25,7 @@ agreeing tokens and the top-2 margin that may explain a flipped token.
 SAFETY_FACTOR = 8 = 2 x 4. The 2: a flip needs the top-2 margin to close, and both logits can move
 by the bound in opposite directions. The 4: headroom for schedules, prompts and positions the
 calibration sample did not contain (the suite's `target()` on deviation / tolerance pushes
-Hypothesis towards the worst case; README "Tolerances" has the largest ratio it found).
+Hypothesis towards the worst case; docs/concepts/bounds.md says where every bound comes from).
 
 The ceiling, derived from float32 precision and the model's logit scale:
 
@@ -55,8 +55,8 @@ The ceiling, derived from float32 precision and the model's logit scale:
   the slack left. Measured on the six tiny models, every bound is 0.7-2.1 x u sqrt(hidden) S, so the
   ceiling leaves 50-150x; a model whose layers amplify more would have a correct engine refused,
   with an error naming the model and the bound (LAMBDA is the knob), never a loose tolerance.
-Measured on the suite's six tiny models, the bounds sit 50-150x below their ceilings (README
-"Tolerances"); with the fault `attention-bound-inflating` in place the engine's error against float64
+Measured on the suite's six tiny models, the bounds sit 50-150x below their ceilings (docs/concepts/
+bounds.md); with the fault `attention-bound-inflating` in place the engine's error against float64
 is 3-6 logits, 2000-5000x above (tests/test_bounds.py).
 """
 from __future__ import annotations

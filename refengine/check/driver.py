@@ -77,7 +77,7 @@ def run_alone(model: Model, config: EngineConfig, request: ScheduledRequest, *, 
 
 def run_schedule(model: Model, schedule: Schedule, mode: str | None = None, serial: bool = False) -> dict:
     """Run `schedule` batched, or with `serial` each request alone; the run-output object of
-    FORMATS.md (plus optional keys; README lists them)."""
+    FORMATS.md (plus optional keys; docs/formats.md lists them)."""
     config = configured(schedule.engine, mode)
     if serial:
         engine, failure = LLMEngine(model, replace(config, max_num_seqs=1)), None

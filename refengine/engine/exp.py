@@ -2,7 +2,7 @@
 vectorizes.
 
 numba turns math.exp into a call to the C library's expf, one value at a time, which no loop can
-vectorize: SwiGLU and the softmax spent most of their time in those calls (README, Performance).
+vectorize: SwiGLU and the softmax spent most of their time in those calls (docs/performance/).
 This one is branch-free arithmetic, so a loop calling it runs 8 values per instruction, computed in
 float64 and rounded to float32 once:
 

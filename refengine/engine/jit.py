@@ -63,7 +63,7 @@ def jit(function=None, *, parallel: bool = False):
     """numba.njit with OPTIONS; `parallel` for a kernel whose outer loop is a prange. A parallel
     kernel is called from Python only, never from another compiled function: numba loads such a
     caller from its cache broken (a segfault on the first threaded call; numba issue 8578), which
-    fusing a layer's kernels into one call ran into (README, Performance)."""
+    fusing a layer's kernels into one call ran into (docs/performance/)."""
     decorate = numba.njit(parallel=parallel, **OPTIONS)
     return decorate if function is None else decorate(function)
 

@@ -61,7 +61,7 @@ class LLMEngine:
         """keep_logits: also keep every sampled float32 logits row (StepRecord.logits), for comparisons.
         digest_logits: each sampled row's sha256 (StepRecord.logits_sha256), which every bit-exactness
         check compares; off only where nothing reads it (refengine bench's throughput runs: hashing a
-        full-vocabulary row per token is a visible share of a large batch's step, README Performance)."""
+        full-vocabulary row per token is a visible share of a large batch's step, docs/performance/history.md)."""
         self.model = model
         self.keep_logits, self.digest_logits = keep_logits, digest_logits
         self.config = (config or EngineConfig()).resolved(model.config)

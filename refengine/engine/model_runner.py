@@ -155,8 +155,8 @@ class ModelRunner:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
-        # pool up front: left to fault in as blocks are first used, a step where 32 sequences cross into
-        # new blocks (896 blocks of the 0.6B shape) took 260 ms longer on the VMs this was measured on.
+        # pool up front: left to fault in as blocks are first used, a step where many sequences cross into
+        # new blocks pays those page faults inside the step (docs/performance/history.md has the figure).
         blocks = (cfg.num_layers, config.num_blocks, cfg.num_kv_heads)
         self.k_cache = np.empty(blocks + (cfg.head_dim, config.block_size), dtype=np.float32)
         self.v_cache = np.empty(blocks + (config.block_size, cfg.head_dim), dtype=np.float32)

@@ -28,7 +28,7 @@ the bandwidth that several streams get. So each step prefetches AHEAD input posi
 block it reads; and where a batch's rows take several passes over a block, each pass fetches its
 share of the thread's next block instead. Past a thread's first block every pass then reads from
 cache, and memory is read at one pace through all of them, not in bursts that the bandwidth cannot
-meet (README, Performance, has the measurement).
+meet (docs/performance/ has the measurement).
 benchmarks/test_bench_kernels.py measures the products against numpy's BLAS.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Same arguments => byte-identical files. The weight scales are chosen so greedy decoding sees
 realistic top-2 logit margins: mostly clear decisions (median around 1) with a tail of near-ties,
-so tests meet both (README, "The tiny models", has the measured distribution).
+so tests meet both (docs/concepts/tiny-models.md shows the distribution `refengine margins` prints).
 """
 from __future__ import annotations
 

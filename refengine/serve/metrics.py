@@ -2,7 +2,7 @@
 vLLM's metric names where vLLM has one (so dashboards and `refengine validate` read refengine and
 vLLM alike) and `refengine_`-prefixed names for the rest.
 
-Rendered here by hand, not with prometheus_client: the server stays standard-library only (README,
+Rendered here by hand, not with prometheus_client: the server stays standard-library only (docs/contributing.md,
 "What refengine writes itself"), and the output is a dozen fixed lines; the tests parse it with
 prometheus_client's parser, which is what a scraper does.
 """

@@ -1,6 +1,6 @@
 """Where OpenAI-compatible servers put what validate reads — text, generated token ids, prompt ids,
-finish reason — in whole answers and in stream chunks. Servers differ (the dialect table in README
-"Board validation"); every place one of them uses is read, and unknown fields are ignored.
+finish reason — in whole answers and in stream chunks. Servers differ (the dialect table in
+docs/engines/index.md); every place one of them uses is read, and unknown fields are ignored.
 
 Generated ids, first found wins per choice: `choices[i].token_ids` (refengine; vLLM with
 `return_token_ids`), `choices[i].logprobs.content[].id` / `.token_id` (llama.cpp; refengine's chat
