@@ -19,7 +19,7 @@ from tokenizers import processors
 from refengine.check.golden import load_prompts, read_golden, refresh
 from refengine.errors import RefengineError
 from refengine.model import load_model
-from refengine.model.cache import default_model_dir
+from refengine.model.cache import random_model_dir
 from refengine.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 
 parity = pytest.mark.parity
@@ -92,7 +92,7 @@ def tokenizer_folder(tmp_path, name="model", config=None, jinja=None, drop_templ
     folder = tmp_path / name
     folder.mkdir()
     for file in TOKENIZER_FILES + (("model.safetensors", "refengine_tiny.json") if weights else ()):
-        shutil.copyfile(default_model_dir() / file, folder / file)
+        shutil.copyfile(random_model_dir() / file, folder / file)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     if drop_template:
         tokenizer_config.pop("chat_template", None)

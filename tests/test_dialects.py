@@ -18,7 +18,7 @@ from refengine.data import shipped
 from refengine.validate.board import Cases, validate
 from refengine.validate.plan import Settings
 
-GOLDEN = shipped("golden", "tiny-default.jsonl")
+GOLDEN = shipped("golden", "tiny-random.jsonl")
 HF_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream"}  # what HF serve accepts here
 TOKEN_S = 0.002  # the fake server's decode step: answers take time, so requests overlap as on a real server
 EXTRA = {"system_fingerprint": "fp-1", "service_tier": None, "kv_transfer_params": {"x": [1]}}  # unknown fields

@@ -146,3 +146,37 @@ def test_runs_and_data_files_must_agree(performance, tmp_path):
     (tmp_path / performance.MANIFEST).write_text(json.dumps([{**run, "machine": ""}]), encoding="utf-8")
     with pytest.raises(performance.RunsError):  # undated or without its machine
         performance.runs(tmp_path)
+
+
+def regenerate():
+    spec = importlib.util.spec_from_file_location("docs_regenerate", DOCS / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_were_made_with_the_current_default_model_and_schedule():
+    """docs/examples/ is what `python docs/regenerate.py` printed; a new default model or a changed
+    shipped schedule changes every example, so their manifest must follow (regenerate)."""
+    made, now = json.loads((DOCS / "examples" / "manifest.json").read_text(encoding="utf-8")), regenerate().manifest()
+    assert made == now
+
+
+def test_every_included_example_exists_and_the_readme_holds_them():
+    """Pages include docs/examples/NAME.txt (mkdocs fails on a missing one, but only where it builds);
+    the README holds copies, which must be the files as they are."""
+    pages = [*DOCS.rglob("*.md"), DOCS.parent / "README.md"]
+    names = {name for page in pages for name in re.findall(r'^--8<-- "examples/([a-z0-9-]+)\.txt"', page.read_text(), re.M)}
+    module = regenerate()
+    readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    names |= {m["name"] for m in module.REGION.finditer(readme)}
+    assert len(names) >= 15 and {"replay", "validate-seed-experiment"} <= names
+    assert all((DOCS / "examples" / f"{name}.txt").is_file() for name in names)
+    assert module.fill_readme(readme) == readme
+
+
+def test_the_pictures_the_docs_show_exist():
+    pages = [*DOCS.rglob("*.md"), DOCS.parent / "README.md"]
+    for page in pages:
+        for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text(encoding="utf-8")):
+            assert (page.parent / image).is_file(), (page, image)

@@ -272,7 +272,7 @@ def test_validate_fails_a_server_that_does_not_drain_after_hang_ups(tiny_model, 
     server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
     server.start()
     try:
-        report = validate(server.url, Cases.of_golden(read_golden(shipped("golden", "tiny-default.jsonl"))),
+        report = validate(server.url, Cases.of_golden(read_golden(shipped("golden", "tiny-random.jsonl"))),
                           Settings(concurrency=4, cancel_rate=0.5, seed=0))
     finally:
         server.close()

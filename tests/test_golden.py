@@ -19,13 +19,16 @@ from refengine.cli.common import FAULT_ENV
 from refengine.data import shipped
 from refengine.errors import RefengineError
 from refengine.model import load_model
+from refengine.model.cache import default_model_dir
 from refengine.model.tiny import TinySpec, make_tiny
 
 GOLDEN_DIR = shipped("golden")
 PROMPTS = GOLDEN_DIR / "prompts" / "seed-experiment.jsonl"
-# Each committed golden file and the tiny model it was made from (`refengine make-tiny DIR [flags]`).
+# Each committed golden file and the model it was made from: the shipped embedded default (None), or
+# a generated tiny model (`refengine make-tiny DIR [flags]`).
 GOLDEN_MODELS = {
-    "tiny-default": TinySpec(),                              # refengine make-tiny DIR
+    "tiny-chat": None,                                       # refengine/data/models/tiny-chat
+    "tiny-random": TinySpec(),                               # refengine make-tiny DIR
     "tiny-qwen2-untied": TinySpec(arch="qwen2", tie=False),  # refengine make-tiny DIR --arch qwen2 --no-tie
 }
 
@@ -33,8 +36,8 @@ GOLDEN_MODELS = {
 @pytest.fixture(scope="module", params=list(GOLDEN_MODELS))
 def golden_model(request, tmp_path_factory):
     """(golden path, model folder); with --update-golden the committed file is refreshed first."""
-    name = request.param
-    model_dir = make_tiny(tmp_path_factory.mktemp(name), GOLDEN_MODELS[name])
+    name, spec = request.param, GOLDEN_MODELS[request.param]
+    model_dir = default_model_dir() if spec is None else make_tiny(tmp_path_factory.mktemp(name), spec)
     path = GOLDEN_DIR / f"{name}.jsonl"
     if request.config.getoption("--update-golden"):
         model = load_model(model_dir)
@@ -119,8 +122,12 @@ def test_golden_header_records_how_the_model_was_made(golden_model):
     path, model_dir = golden_model
     header = read_golden(path).header
     assert header["model_fingerprint"] == load_model(model_dir).fingerprint
-    spec = {k: v for k, v in header["tiny_model"].items() if k not in ("seed", "dtype", "shards")}
-    assert TinySpec(**spec) == GOLDEN_MODELS[path.stem]
+    if GOLDEN_MODELS[path.stem] is None:  # trained: the recipe of the shipped folder, which make-tiny did not write
+        assert "tiny_model" not in header
+        assert header["trained_model"] == json.loads((model_dir / "refengine_trained.json").read_text())
+    else:
+        spec = {k: v for k, v in header["tiny_model"].items() if k not in ("seed", "dtype", "shards")}
+        assert TinySpec(**spec) == GOLDEN_MODELS[path.stem] and "trained_model" not in header
     assert header["precision"] == "f64" and set(header["noise"]) >= {"f32_vs_f64", "safety_factor"}
 
 
@@ -156,7 +163,7 @@ def test_a_killed_refresh_leaves_the_old_file_intact(tiny_model_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"story {i}", "max_tokens": 128}) + "\n"
                                for i in range(200)))
     calibration = tmp_path / "noise.json"
-    calibration.write_text(json.dumps(read_golden(GOLDEN_DIR / "tiny-default.jsonl").header["noise"]))
+    calibration.write_text(json.dumps(read_golden(GOLDEN_DIR / "tiny-random.jsonl").header["noise"]))
     out = tmp_path / "golden" / "old.jsonl"
     out.parent.mkdir()
     out.write_text("the old golden file\n")

@@ -73,7 +73,7 @@ def test_a_missing_or_repeated_shard_is_refused(refreshed, capsys):
 
 
 def test_shards_of_another_model_or_prompt_set_are_refused(refreshed, tiny_model_dir, tmp_path, capsys):
-    calibration = ["--calibration", str(shipped("golden", "tiny-default.calibration.json"))]
+    calibration = ["--calibration", str(shipped("golden", "tiny-random.calibration.json"))]
     (tmp_path / "set").mkdir()
     edited = tmp_path / "set" / "prompts.jsonl"  # same file name, one prompt changed
     edited.write_text((refreshed / "prompts.jsonl").read_text().replace("Once upon", "Once, upon"), encoding="utf-8")

@@ -76,7 +76,7 @@ def test_the_installed_commands_work_from_an_empty_directory(installed, tmp_path
     assert "no divergence" in run([bin_dir / "refengine", "replay", "--mode", "fast"], empty, env).stdout
     assert not (tmp_path / "cache" / "calibration").exists()
     checked = run([bin_dir / "refengine", "golden", "check"], empty, env).stdout
-    assert "tiny-default.jsonl" in checked and checked.rstrip().endswith("PASS")
+    assert "tiny-chat.jsonl" in checked and checked.rstrip().endswith("PASS")
     assert list(empty.iterdir()) == []
 
 

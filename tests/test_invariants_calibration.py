@@ -18,19 +18,28 @@ from refengine.check.calibrate import (
 from refengine.cli import main
 from refengine.data import shipped
 from refengine.errors import RefengineError
+from refengine.model import load_model
+from refengine.model.cache import default_model_dir
 from refengine.strategies import TINY_CONFIGS, tiny_model
 
 pytestmark = pytest.mark.invariants
 GOLDEN_DIR = shipped("golden")
-STORED = GOLDEN_DIR / "tiny-default.calibration.json"
-MODELS = list(TINY_CONFIGS)
+STORED = GOLDEN_DIR / "tiny-random.calibration.json"
+DEFAULT = "tiny-chat"  # the embedded default model: not a suite model, but calibrated and golden the same way
+MODELS = [*TINY_CONFIGS, DEFAULT]
 
 
-def test_stored_calibration_is_the_default_models_and_matches_the_golden_header():
-    stored, model = load_calibration(STORED), tiny_model()
+def model_named(name: str):
+    return load_model(default_model_dir()) if name == DEFAULT else tiny_model(name)
+
+
+@pytest.mark.parametrize("name, model_name", [("tiny-random", MODELS[0]), ("tiny-chat", DEFAULT)])
+def test_a_golden_files_calibration_is_its_models_and_in_its_header(name, model_name):
+    model = model_named(model_name)
+    stored = load_calibration(GOLDEN_DIR / f"{name}.calibration.json")
     assert stored["model_fingerprint"] == model.fingerprint
     assert calibration_for(model) == stored
-    header = json.loads((GOLDEN_DIR / "tiny-default.jsonl").read_text().splitlines()[0])
+    header = json.loads((GOLDEN_DIR / f"{name}.jsonl").read_text().splitlines()[0])
     assert header["noise"] == stored
 
 
@@ -47,8 +56,8 @@ def test_a_committed_calibration_is_handed_out_as_a_copy():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_suite_model_has_a_committed_calibration_under_its_ceiling(name):
-    """No suite model is ever calibrated on first use with the engine under test."""
-    model = tiny_model(name)
+    """No suite model (nor the default model) is ever calibrated on first use with the engine under test."""
+    model = model_named(name)
     stored = stored_calibration(model)
     assert stored is not None, f"{name}: no refengine/data/golden/*.calibration.json for {model.fingerprint}"
     limit = ceiling(model)["value"]
@@ -61,7 +70,8 @@ def test_committed_bounds_still_cover_a_fresh_measurement(name, tmp_path):
     """A kernel change that makes float32 noisier must show here before the suite trusts old bounds; and
     the engine's own error against float64 must stay within the reference-derived tolerance, or the
     reference-agreement property would raise false alarms on a correct engine."""
-    model, stored = tiny_model(name), stored_calibration(tiny_model(name))
+    model = model_named(name)
+    stored = stored_calibration(model)
     if name == MODELS[0]:  # the command line once
         assert main(["calibrate", "--model", str(model.path), "--out", str(tmp_path / "fresh.json")]) == 0
         fresh = load_calibration(tmp_path / "fresh.json")

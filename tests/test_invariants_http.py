@@ -77,7 +77,7 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     on_faulty_server.__name__ = name
     try:
         found = http_property(on_faulty_server,
-                              connect(faulty.url, read_golden(shipped("golden", "tiny-default.jsonl"))),
+                              connect(faulty.url, read_golden(shipped("golden", "tiny-random.jsonl"))),
                               derandomize=True, database=None, report_multiple_bugs=False)
         with pytest.raises(SmallEnough) as small:
             found()

@@ -31,7 +31,7 @@ FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one K
 
 @pytest.fixture(scope="module")
 def golden():
-    return read_golden(shipped("golden", "tiny-default.jsonl"))
+    return read_golden(shipped("golden", "tiny-random.jsonl"))
 
 
 def run_validate(tiny_model, golden, engine: EngineConfig, **settings) -> dict:

@@ -20,7 +20,7 @@ from refengine.engine import FAULTS
 from refengine.errors import RefengineError
 from refengine.validate.plan import Settings, plan
 
-GOLDEN = shipped("golden", "tiny-default.jsonl")
+GOLDEN = shipped("golden", "tiny-random.jsonl")
 DEADLINE_S = 60
 FAULT = "kv-write-block-boundary-off-by-one"  # corrupts every answer past one KV block, batched or not
 

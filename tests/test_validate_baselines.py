@@ -24,7 +24,7 @@ from refengine.validate.client import Endpoint
 from refengine.validate.plan import Planned
 from refengine.validate.wire import Completion
 
-GOLDEN = shipped("golden", "tiny-default.jsonl")
+GOLDEN = shipped("golden", "tiny-random.jsonl")
 JOIN_LEAVE_FAULTS = ("position-off-by-one-on-join", "logits-rows-misassigned-after-leave")
 SMALL_POOL = {"num_blocks": 48, "block_size": 4}  # 192 tokens: the longest case fits, four at once do not
 

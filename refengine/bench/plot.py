@@ -1,4 +1,5 @@
-"""`refengine bench --plot`: decode step time and tokens/s vs batch size, against the roofline."""
+"""`refengine bench --plot`: decode step time and tokens/s vs batch size, against the roofline; drawn
+from the report's decode section, so a committed `bench --json` run draws again (docs/pictures.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,21 +7,26 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RefengineError
+from ..plotting import pyplot, save
 from .roofline import Roofline
 
 MODE_STYLES = {"fast": ("tab:blue", "o"), "invariant": ("tab:orange", "s")}
+
+
+def plot_decode(decode: dict, path: str | Path) -> Path:
+    """The decode section of a `bench --json` report (from a run that recorded its roofline) as a PNG."""
+    if "roofline" not in decode:
+        raise RefengineError("plot: the report's decode section records no roofline (a run from before "
+                             "bench kept what its plot draws)")
+    return plot_sweep(path, decode["sweep"], Roofline(**decode["roofline"]), decode["plot_context"],
+                      decode["plot_title"])
 
 
 def plot_sweep(path: str | Path, sweep: dict[str, dict[int, dict]], roofline: Roofline, context: float,
                title: str) -> Path:
     """`sweep`: {mode: {batch: RunStats.to_json()}} (batch as int or str, as in the JSON report);
     `context`: mean KV prefix of a decode token."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RefengineError("plot: needs matplotlib (pip install 'refengine[plot]')") from None
+    plt = pyplot()
     sweep = {mode: {int(b): run for b, run in runs.items()} for mode, runs in sweep.items()}
     batches = sorted({b for runs in sweep.values() for b in runs})
     grid = np.unique(np.geomspace(1, max(batches) * 1.5, 64).round().astype(int))
@@ -49,7 +55,4 @@ def plot_sweep(path: str | Path, sweep: dict[str, dict[int, dict]], roofline: Ro
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=90)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -122,7 +122,13 @@ def _decode(model, args: BenchSettings, sweep, interleaved, in_turn, probed, hf,
               "modes_in_turn": {str(batch): turns for batch, turns in in_turn.items()},
               "against_probe": {str(batch): probe for batch, probe in probed.items()},
               "serial_requests": args.serial_requests,
-              "sweep": {mode: {str(b): s.to_json() for b, s in runs.items()} for mode, runs in sweep.items()}}
+              "sweep": {mode: {str(b): s.to_json() for b, s in runs.items()} for mode, runs in sweep.items()},
+              # what the plot draws, so it can be drawn again from the JSON report (bench.plot.plot_decode)
+              "roofline": asdict(roofline),
+              "plot_context": float(np.mean([s.mean_decode_context for runs in sweep.values() for s in runs.values()])),
+              "plot_title": (f"{model.path.name}: {roofline.parameters / 1e6:.2g}M params, prompt {args.prompt_len}, "
+                             f"{args.new_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
+                             f"sgemm {machine.sgemm_flops / 1e9:.0f} GFLOP/s")}
     if hf is not None:
         hf["engine_vs_hf"] = {"batched_fast": sweep["fast"][args.requests].decode_tok_s / hf["batched"]["decode_tok_s"],
                               "serial": serial.decode_tok_s / hf["serial"]["decode_tok_s"]}
@@ -131,12 +137,8 @@ def _decode(model, args: BenchSettings, sweep, interleaved, in_turn, probed, hf,
                                                        / hf["batched"]["decode_tok_s"])
         result["hf"] = hf
     if args.plot:
-        from .plot import plot_sweep
-        context = float(np.mean([s.mean_decode_context for runs in sweep.values() for s in runs.values()]))
-        title = (f"{model.path.name}: {roofline.parameters / 1e6:.0f}M params, prompt {args.prompt_len}, "
-                 f"{args.new_tokens} new tokens; BW {machine.bandwidth / 1e9:.1f} GB/s, "
-                 f"sgemm {machine.sgemm_flops / 1e9:.0f} GFLOP/s")
-        result["plot"] = str(plot_sweep(args.plot, result["sweep"], roofline, context, title))
+        from .plot import plot_decode
+        result["plot"] = str(plot_decode(result, args.plot))
     return result
 
 

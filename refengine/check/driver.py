@@ -19,6 +19,12 @@ from .schedule import Schedule, ScheduledRequest
 STEP_ALLOWANCE = 10  # steps per prompt or generated token before a run counts as stuck (preemption recomputes)
 
 
+def settings_text(c: EngineConfig) -> str:
+    """The settings a schedule's verdicts depend on, as reports and plots print them."""
+    return (f"mode={c.mode}, max_num_seqs={c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens}, "
+            f"block_size={c.block_size}, num_blocks={c.num_blocks}" + (f", fault={c.fault}" if c.fault else ""))
+
+
 def configured(config: EngineConfig, mode: str | None = None, fault: str | None = None) -> EngineConfig:
     """A schedule's engine settings with the caller's mode and fault overrides (None keeps the schedule's)."""
     if mode is not None:
@@ -75,17 +81,22 @@ def run_alone(model: Model, config: EngineConfig, request: ScheduledRequest, *, 
     return engine.run()[request.id]
 
 
-def run_schedule(model: Model, schedule: Schedule, mode: str | None = None, serial: bool = False) -> dict:
-    """Run `schedule` batched, or with `serial` each request alone; the run-output object of
-    FORMATS.md (plus optional keys; docs/formats.md lists them)."""
+def run_engine(model: Model, schedule: Schedule, mode: str | None = None,
+               serial: bool = False) -> tuple[LLMEngine, str | None]:
+    """Run `schedule` batched, or with `serial` each request alone on one engine (abort steps
+    ignored): the engine it ran on and its first engine failure."""
     config = configured(schedule.engine, mode)
-    if serial:
-        engine, failure = LLMEngine(model, replace(config, max_num_seqs=1)), None
-        for request in schedule.requests:  # one engine, one request at a time, abort_step ignored
-            _add(engine, request, schedule.source)
-            engine.run()
-    else:
-        engine, failure = run_batched(model, schedule, config, keep_logits=False)
+    if not serial:
+        return run_batched(model, schedule, config, keep_logits=False)
+    engine = LLMEngine(model, replace(config, max_num_seqs=1))
+    for request in schedule.requests:
+        _add(engine, request, schedule.source)
+        engine.run()
+    return engine, None
+
+
+def run_output(model: Model, engine: LLMEngine, failure: str | None, serial: bool) -> dict:
+    """The run-output object of FORMATS.md (plus optional keys; docs/formats.md lists them)."""
     return {
         "model": model.fingerprint,
         "engine": engine.config.settings(),
@@ -95,3 +106,8 @@ def run_schedule(model: Model, schedule: Schedule, mode: str | None = None, seri
         "metrics": engine.metrics,
         **({"engine_failure": failure} if failure else {}),
     }
+
+
+def run_schedule(model: Model, schedule: Schedule, mode: str | None = None, serial: bool = False) -> dict:
+    """`run_engine`'s run as a run-output object."""
+    return run_output(model, *run_engine(model, schedule, mode, serial), serial)

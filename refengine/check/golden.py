@@ -23,8 +23,11 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..blas import blas_identity
+from ..data import shipped
 from ..errors import RefengineError
 from ..model import Model
+from ..model.cache import DEFAULT_MODEL_NAME
+from ..model.tiny import TINY_RECIPE, TRAINED_RECIPE
 from ..reference import generate_lockstep
 from ..sampling import SamplingParams
 from .margin_rule import tolerance
@@ -43,7 +46,14 @@ OPTIONAL_CASE_KEYS = ("text_offsets",)  # our extension of FORMATS.md; without i
 # Also ours: a chat case's template arguments (`enable_thinking`, ...), on the case line after `messages`
 # only when the prompt gave them, so golden files without them keep their bytes.
 TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
+RECIPES = {"tiny_model": TINY_RECIPE, "trained_model": TRAINED_RECIPE}  # header key -> the folder's file
 NOISE_KEYS = ("f32_vs_f64", "safety_factor")
+
+
+def default_golden_path() -> Path:
+    """The shipped golden file of the embedded default model: what `golden check` and the suite's HTTP
+    properties use without a file."""
+    return shipped("golden", f"{DEFAULT_MODEL_NAME}.jsonl")
 
 
 @dataclass(frozen=True)
@@ -208,9 +218,9 @@ def golden_header(model: Model, prompts_path: Path, noise: dict, group: int = LO
               "prompts": prompts_path.name, "architecture": model.config.arch,
               "numerics": blas_identity(),  # the BLAS the float64 reference ran on (margins differ in the last bits)
               "lockstep_group": group}
-    recipe = model.path / "refengine_tiny.json"
-    if recipe.exists():  # how `refengine make-tiny` built this model, so anyone can rebuild it
-        header["tiny_model"] = json.loads(recipe.read_text(encoding="utf-8"))
+    for key, name in RECIPES.items():  # how refengine made this model, so anyone can make it again
+        if (recipe := model.path / name).exists():
+            header[key] = json.loads(recipe.read_text(encoding="utf-8"))
     return header
 
 

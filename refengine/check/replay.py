@@ -24,7 +24,7 @@ from .comparison import (
     logprob_difference,
     logprob_tolerance,
 )
-from .driver import configured, run_alone, run_batched
+from .driver import configured, run_alone, run_batched, settings_text
 from .margin_rule import Verdict, describe, tolerance
 from .schedule import Schedule, ScheduledRequest
 
@@ -67,13 +67,31 @@ class ReplayResult:
     def divergences(self) -> list[Verdict]:
         return [v for v in self.verdicts.values() if not v.passed]
 
-    def report(self) -> str:
-        c = self.config
+    @property
+    def comparison(self) -> str:
         rule = "bit-exact" if self.tolerance is None else f"margin rule, tolerance {self.tolerance:.3g}"
-        head = (f"{self.schedule.source}: {self.names[0]} vs {self.names[1]} ({rule}); mode={c.mode}, "
-                f"max_num_seqs={c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens}, "
-                f"block_size={c.block_size}, num_blocks={c.num_blocks}" + (f", fault={c.fault}" if c.fault else ""))
-        lines = [head] + [describe(v, *self.names) for v in self.verdicts.values()]
+        return f"{self.names[0]} vs {self.names[1]} ({rule})"
+
+    @property
+    def head(self) -> str:
+        return f"{self.schedule.source}: {self.comparison}; {settings_text(self.config)}"
+
+    def report(self, decode=None) -> str:
+        """The head, then per request its verdict (`describe`, token text where `decode(id)` is given)
+        and the text of its batched answer: beside a one-line verdict, under a longer one."""
+        lines = [self.head]
+        width = max((len(rid) for rid in self.verdicts), default=0)
+        for rid, v in self.verdicts.items():
+            first, *rest = describe(v, *self.names, decode=decode).split("\n")
+            first = first.replace(f"{rid}:", f"{rid}:".ljust(width + 1), 1)
+            out = self.outputs.get(rid)
+            said = f"{out.text!r} ({out.finish_reason}, {len(out.token_ids)} tokens)" if out else ""
+            if not said:
+                lines += [first, *rest]
+            elif rest:
+                lines += [first, f"  {self.names[0]} text: {said}", *rest]
+            else:
+                lines.append(f"{first}  {said}")
         if self.engine_failure:
             lines.append(f"engine failure: {self.engine_failure}")
         bad = len(self.divergences) + bool(self.engine_failure)

@@ -1,7 +1,8 @@
-"""info, logits, generate, make-tiny: the foundation commands."""
+"""info, logits, generate, margins, make-tiny, train-tiny-chat: the foundation commands."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,9 @@ from .. import blas as blas_info
 from ..check.margins import measure_margins
 from ..engine import numerics
 from ..errors import RefengineError
-from ..model.tiny import ARCHITECTURES, PRESETS, TinySpec, make_tiny
+from ..model import load_model
+from ..model.tiny import ARCHITECTURES, PRESETS, TRAINED_RECIPE, TinySpec, make_tiny
+from ..model.train import TrainSpec, train_tiny_chat
 from ..reference import generate, prompt_logits
 from ..sampling import SamplingParams
 from .common import add_model_argument, open_model, parse_ids, print_json
@@ -111,6 +114,16 @@ def run_make_tiny(args) -> int:
     return 0
 
 
+def run_train_tiny_chat(args) -> int:
+    if args.steps < 1:
+        raise RefengineError(f"steps: must be >= 1, got {args.steps}")
+    out = train_tiny_chat(Path(args.out_dir), TrainSpec(seed=args.seed, steps=args.steps), data=args.data)
+    recipe = json.loads((out / TRAINED_RECIPE).read_text(encoding="utf-8"))
+    print(f"wrote {out} (tiny-chat, {recipe['steps']} steps, seed {recipe['seed']}, final loss {recipe['final_loss']}, "
+          f"{load_model(out).fingerprint})")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="architecture, sizes, parameter count, dtype, fingerprint")
     add_model_argument(p)
@@ -156,3 +169,12 @@ def register(subparsers) -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(func=run_make_tiny)
+
+    p = subparsers.add_parser("train-tiny-chat", help="train the embedded default model, tiny-chat, with transformers "
+                              "(needs the parity extra); the defaults reproduce the shipped folder")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=TrainSpec.seed)
+    p.add_argument("--steps", type=int, default=TrainSpec.steps)
+    p.add_argument("--data", metavar="FILE", help="training examples, JSONL (default: the shipped "
+                   "training/tiny-chat.jsonl; the format: docs/formats.md, Training examples)")
+    p.set_defaults(func=run_train_tiny_chat)

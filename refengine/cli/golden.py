@@ -4,18 +4,16 @@ from __future__ import annotations
 from ..check.calibrate import calibrate, load_calibration, stored_calibration
 from ..check.golden import (
     LOCKSTEP_GROUP,
+    default_golden_path,
     load_prompts,
     merge_shards,
     read_golden,
     refresh,
 )
 from ..check.golden_check import check
-from ..data import shipped
 from ..engine import MODES
 from ..errors import RefengineError
 from .common import FAULT_ENV, add_model_argument, fault_from, open_model
-
-DEFAULT_GOLDEN = ("golden", "tiny-default.jsonl")  # shipped, made from the embedded default model
 
 
 def run_refresh(args) -> int:
@@ -48,7 +46,7 @@ def run_merge(args) -> int:
 
 
 def run_check(args) -> int:
-    golden = read_golden(args.golden or shipped(*DEFAULT_GOLDEN))
+    golden = read_golden(args.golden or default_golden_path())
     model = open_model(args)
     result = check(golden, model, args.mode, args.seed, args.max_num_seqs, args.max_num_batched_tokens,
                    fault_from(args))

@@ -7,10 +7,13 @@ explains it), 1 on a real divergence, 2 on bad input.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..check.calibrate import calibration_for, load_calibration
+from ..check.driver import settings_text
 from ..check.replay import AGAINST, replay
 from ..check.repro import load_repro
+from ..check.timeline import plot_timeline, timeline
 from ..data import shipped
 from ..engine import MODES
 from ..model.cache import default_model_dir
@@ -33,10 +36,13 @@ def run(args) -> int:
         calibration = load_calibration(args.calibration) if args.calibration else calibration_for(model)
     result = replay(model, repro.schedule, against=against, other_budget=args.other_budget or repro.other_budget,
                     mode=args.mode, fault=fault, calibration=calibration)
+    if args.plot:
+        plot_timeline(timeline(result.trace, result.outputs, result.verdicts), len(result.trace), args.plot,
+                      f"{Path(repro.schedule.source).name}: {result.comparison}\n{settings_text(result.config)}")
     if args.json:
         print_json(result.as_dict())
     else:
-        print(result.report())
+        print(result.report(lambda token_id: model.tokenizer.decode([token_id])))
     return 0 if result.passed else 1
 
 
@@ -54,4 +60,6 @@ def register(subparsers) -> None:
     p.add_argument("--calibration", metavar="FILE", help="fast mode: noise calibration JSON "
                    "(default: the stored one for this model, else measured now)")
     p.add_argument("--json", action="store_true", help="print verdicts, outputs and trace as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the batched run as a timeline: requests as rows, "
+                   "engine steps as columns, the first divergence marked with its margin")
     p.set_defaults(func=run)

@@ -1,8 +1,11 @@
 """run-schedule: run a JSON schedule on the continuous-batching engine and report every request."""
 from __future__ import annotations
 
-from ..check.driver import run_schedule
+from pathlib import Path
+
+from ..check.driver import run_engine, run_output, settings_text
 from ..check.schedule import load_schedule
+from ..check.timeline import plot_timeline, timeline
 from ..data import shipped
 from ..engine import MODES
 from .common import add_model_argument, open_model, print_json
@@ -32,7 +35,13 @@ def _table(result: dict) -> str:
 
 def run(args) -> int:
     schedule = load_schedule(args.file or shipped(*EXAMPLE))
-    result = run_schedule(open_model(args), schedule, mode=args.mode, serial=args.serial)
+    model = open_model(args)
+    engine, failure = run_engine(model, schedule, mode=args.mode, serial=args.serial)
+    result = run_output(model, engine, failure, args.serial)
+    if args.plot:
+        plot_timeline(timeline(engine.trace, engine.outputs()), len(engine.trace), args.plot,
+                      Path(schedule.source).name + (" (each request alone)" if args.serial else "")
+                      + "\n" + settings_text(engine.config))
     if args.json:
         print_json(result)
     else:
@@ -48,4 +57,6 @@ def register(subparsers) -> None:
     parser.add_argument("--mode", choices=MODES, help="override the schedule's engine mode")
     parser.add_argument("--serial", action="store_true", help="run each request alone (max_num_seqs=1)")
     parser.add_argument("--json", action="store_true", help="print the run output as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="draw the run as a timeline: requests as rows, engine "
+                        "steps as columns (prefill chunks, decodes, waiting, preemption, abort, finish)")
     parser.set_defaults(func=run)

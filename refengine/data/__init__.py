@@ -8,5 +8,5 @@ from pathlib import Path
 
 
 def shipped(*parts: str) -> Path:
-    """The path of a shipped data file or folder, e.g. shipped("golden", "tiny-default.jsonl")."""
+    """The path of a shipped data file or folder, e.g. shipped("golden", "tiny-chat.jsonl")."""
     return Path(str(resources.files(__name__).joinpath(*parts)))

@@ -1,4 +1,5 @@
-"""The model cache: generated model folders (the embedded default, the suite's tiny models, bench
+"""Where models come from without `--model`: the embedded default, tiny-chat, ships inside the package
+(trained once, refengine.model.train); generated model folders (the suite's random tiny models, bench
 presets) are built once into `REFENGINE_CACHE` (default ~/.cache/refengine) and reused.
 
 Every cached model goes through `cached_model`, which builds into a staging folder and renames it
@@ -12,9 +13,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ..data import shipped
 from .tiny import TinySpec, make_tiny
 
-DEFAULT_MODEL_NAME = "tiny-default"
+DEFAULT_MODEL_NAME = "tiny-chat"
+RANDOM_MODEL_NAME = "tiny-random"
 
 
 def cache_dir() -> Path:
@@ -45,5 +48,10 @@ def cached_tiny_model(name: str, spec: TinySpec) -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded default: what `refengine make-tiny DIR` writes."""
-    return cached_tiny_model(DEFAULT_MODEL_NAME, TinySpec())
+    """The embedded default: tiny-chat, trained to answer the seed experiment's questions (package data)."""
+    return shipped("models", DEFAULT_MODEL_NAME)
+
+
+def random_model_dir() -> Path:
+    """The suite's base random-weight model: what `refengine make-tiny DIR` writes."""
+    return cached_tiny_model(RANDOM_MODEL_NAME, TinySpec())

@@ -22,6 +22,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+TINY_RECIPE = "refengine_tiny.json"  # how make-tiny built a folder: its arguments
+TRAINED_RECIPE = "refengine_trained.json"  # how model.train trained one: data, settings, versions
 MOE_FIELDS = ("experts", "experts_per_tok", "moe_intermediate", "mlp_only_layers")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -187,24 +189,16 @@ def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: str, shards:
     _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, dtype: str = "F32",
-              shards: int = 1) -> Path:
-    if spec.arch not in ARCHITECTURES:
-        raise RefengineError(f"arch: unknown architecture {spec.arch!r} (choose {', '.join(ARCHITECTURES)})")
-    if spec.vocab < 256 + len(SPECIAL_TOKENS):
-        raise RefengineError(f"vocab: {spec.vocab} is too small for a byte-level tokenizer (at least 259)")
-    if spec.heads % spec.kv_heads:
-        raise RefengineError(f"heads: {spec.heads} is not a multiple of kv_heads {spec.kv_heads}")
-    if spec.arch == "qwen3_moe" and not (spec.experts >= 2 and 1 <= spec.experts_per_tok <= spec.experts
-                                         and spec.moe_intermediate >= 1):
-        raise RefengineError(f"experts: qwen3_moe needs experts >= 2, 1 <= experts_per_tok <= experts and "
-                             f"moe_intermediate >= 1 (got {spec.experts}, {spec.experts_per_tok}, "
-                             f"{spec.moe_intermediate})")
-    if spec.arch == "qwen3_moe" and not set(spec.mlp_only_layers) <= set(range(spec.layers)):
-        raise RefengineError(f"mlp_only_layers: {list(spec.mlp_only_layers)} are not all layers of 0..{spec.layers - 1}")
-    out = Path(out_dir)
+def render_chatml(role: str, content: str) -> tuple[str, str]:
+    """One message as CHAT_TEMPLATE renders it: (the head a reply follows, the body the reply is)."""
+    return f"<|im_start|>{role}\n", f"{content}<|im_end|>\n"
+
+
+def write_folder(out: Path, spec: TinySpec, tokenizer: Tokenizer, tensors: dict[str, np.ndarray], *,
+                 recipe_name: str, recipe: dict, dtype: str = "F32", shards: int = 1) -> Path:
+    """A complete HF folder: config, generation config, tokenizer files with the ChatML template, the
+    weights, and `recipe_name` recording how they were made."""
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(min(spec.vocab, 4096))
     special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
     config = hf_config(spec, special_ids)
     config["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype]
@@ -220,6 +214,27 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, d
         "tokenizer_class": "PreTrainedTokenizerFast",
     })
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "refengine_tiny.json", {"seed": seed, "dtype": dtype, "shards": shards, **spec.recipe()})
-    write_weights(out, random_weights(spec, seed), dtype, shards)
+    _write_json(out / recipe_name, recipe)
+    write_weights(out, tensors, dtype, shards)
     return out
+
+
+def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, dtype: str = "F32",
+              shards: int = 1) -> Path:
+    if spec.arch not in ARCHITECTURES:
+        raise RefengineError(f"arch: unknown architecture {spec.arch!r} (choose {', '.join(ARCHITECTURES)})")
+    if spec.vocab < 256 + len(SPECIAL_TOKENS):
+        raise RefengineError(f"vocab: {spec.vocab} is too small for a byte-level tokenizer (at least 259)")
+    if spec.heads % spec.kv_heads:
+        raise RefengineError(f"heads: {spec.heads} is not a multiple of kv_heads {spec.kv_heads}")
+    if spec.arch == "qwen3_moe" and not (spec.experts >= 2 and 1 <= spec.experts_per_tok <= spec.experts
+                                         and spec.moe_intermediate >= 1):
+        raise RefengineError(f"experts: qwen3_moe needs experts >= 2, 1 <= experts_per_tok <= experts and "
+                             f"moe_intermediate >= 1 (got {spec.experts}, {spec.experts_per_tok}, "
+                             f"{spec.moe_intermediate})")
+    if spec.arch == "qwen3_moe" and not set(spec.mlp_only_layers) <= set(range(spec.layers)):
+        raise RefengineError(f"mlp_only_layers: {list(spec.mlp_only_layers)} are not all layers of 0..{spec.layers - 1}")
+    tokenizer = train_tokenizer(min(spec.vocab, 4096))
+    return write_folder(Path(out_dir), spec, tokenizer, random_weights(spec, seed), recipe_name=TINY_RECIPE,
+                        recipe={"seed": seed, "dtype": dtype, "shards": shards, **spec.recipe()},
+                        dtype=dtype, shards=shards)

@@ -56,15 +56,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 
 def default_golden() -> str:
-    from ..data import shipped
-    return str(shipped("golden", "tiny-default.jsonl"))
+    from ..check.golden import default_golden_path
+    return str(default_golden_path())
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("refengine")
     group.addoption("--engine-url", metavar="URL",
                     help="run the HTTP invariants against this OpenAI-compatible server (default: an "
-                         "in-process refengine server on 127.0.0.1 serving the default tiny model); the "
+                         "in-process refengine server on 127.0.0.1 serving the embedded default model); the "
                          "in-process engine properties are skipped")
     group.addoption("--golden", metavar="FILE", default=None,
                     help="golden file the --engine-url server's model must match (default: the shipped "
@@ -173,20 +173,21 @@ HTTP_QUEUE_TIMEOUT_S = 3.0
 @pytest.fixture(scope="session")
 def http_engine(request):
     """(url, golden) for the HTTP invariants: the --engine-url server and the --golden file, or an
-    in-process OpenAIServer on 127.0.0.1 serving the default tiny model (4 seats, 32-token steps so
+    in-process OpenAIServer on 127.0.0.1 serving the embedded default model, tiny-chat (4 seats, 32-token steps so
     prefill chunks mix with decodes and requests queue; HTTP_MAX_WAITING waiting slots, so its 6
     admission slots are exactly a largest schedule's requests: a leaked slot turns into a refused
     request, verdict "error", within HTTP_QUEUE_TIMEOUT_S, in one run)."""
     from ..check.golden import read_golden
     from ..engine import EngineConfig
     from ..errors import RefengineError
+    from ..model import load_model
+    from ..model.cache import default_model_dir
     from ..serve import OpenAIServer
-    from ..strategies import tiny_model
     from ..validate.board import served_model
     from ..validate.client import Endpoint
 
     url = request.config.getoption("--engine-url")
-    model = None if url else tiny_model()
+    model = None if url else load_model(default_model_dir())
     try:
         golden = read_golden(request.config.getoption("--golden") or default_golden())
         if url:

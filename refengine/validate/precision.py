@@ -34,6 +34,7 @@ import numpy as np
 
 from ..check.margin_rule import tolerance
 from ..errors import RefengineError
+from ..plotting import pyplot, save
 from .load import COMPARED
 
 MAX_KEPT_DELTAS = 10_000
@@ -132,12 +133,7 @@ def plot_precision(p: dict, deltas, path: str | Path) -> Path:
     `deltas`: the raw values (None: p["deltas"]; a report with >= MAX_KEPT_DELTAS steps keeps none,
     so pass agreeing_deltas(records, golden)[0]). Exact zeros (bit-equal logprobs) are drawn in the
     leftmost bin and counted in the legend."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RefengineError("plot: needs matplotlib (pip install 'refengine[plot]')") from None
+    plt = pyplot()
     if deltas is None:
         if "deltas" not in p:
             raise RefengineError(f"plot: the precision report keeps no deltas ({p['steps']} steps >= "
@@ -166,7 +162,4 @@ def plot_precision(p: dict, deltas, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title(f"precision: max {_g(p['max'])}, p50 {_g(p['p50'])}, p99 {_g(p['p99'])}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=90)
