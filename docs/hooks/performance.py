@@ -5,7 +5,9 @@ output, never from a hand-copied table.
 
 docs/performance/data/runs.json says what each file is: the date and machine it was measured on, the
 commit and the command. Every data file must be listed there and every listed file must exist, or
-the build fails. `<!-- bench-runs -->` in a page becomes the table of all runs, newest first.
+the build fails. `<!-- bench-runs -->` in a page becomes the table of all runs, newest first. A run
+whose report recorded its roofline gets its decode plot, drawn from the file by docs/regenerate.py
+into docs/performance/images/.
 
 `run_page()` and `runs()` need no mkdocs (tests/test_docs.py renders every committed run).
 """
@@ -182,6 +184,9 @@ def run_page(run: dict, data: Path = DATA) -> str:
         out += [run["note"], ""]
     if path.suffix == ".json":
         out += _json_report(json.loads(path.read_text(encoding="utf-8")))
+        if (data.parent / "images" / f"{path.stem}.png").is_file():  # drawn from this file by docs/regenerate.py
+            out += ["![decode step time and tokens/s against the roofline, both modes](../images/"
+                    f"{path.stem}.png)", ""]
         out += [f"Source: `docs/performance/data/{run['file']}`, what the command printed.", ""]
     else:  # a run from before the JSON was kept: its text report as printed
         out += ["The report as the command printed it (no JSON was kept of this run):", "", "```",
