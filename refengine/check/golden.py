@@ -25,6 +25,7 @@ from .. import __version__
 from ..blas import blas_identity
 from ..data import shipped
 from ..errors import RefengineError
+from ..jsonl import json_lines
 from ..model import Model
 from ..model.cache import DEFAULT_MODEL_NAME
 from ..model.tiny import TINY_RECIPE, TRAINED_RECIPE
@@ -117,23 +118,6 @@ class Golden:
                 f"{model.path} is {model.fingerprint}; use that model or refresh the golden file for this one")
 
 
-def _json_lines(path: Path):
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise RefengineError(f"{path}: cannot read ({e.strerror})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RefengineError(f"{path}:{number}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise RefengineError(f"{path}:{number}: expected a JSON object")
-        yield f"{path}:{number}", obj
-
-
 def _is_chat(messages) -> bool:
     return isinstance(messages, list) and bool(messages) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
@@ -150,7 +134,7 @@ def _check_template_kwargs(where: str, obj: dict) -> None:
 
 def load_prompts(path: str | Path) -> list[PromptCase]:
     cases, seen = [], set()
-    for where, obj in _json_lines(Path(path)):
+    for where, obj in json_lines(Path(path)):
         unknown = set(obj) - PROMPT_KEYS
         if unknown:
             raise RefengineError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -330,7 +314,7 @@ def _parse_case(where: str, obj: dict) -> GoldenCase:
 
 def read_golden(path: str | Path) -> Golden:
     path = Path(path)
-    lines = list(_json_lines(path))
+    lines = list(json_lines(path))
     if not lines:
         raise RefengineError(f"{path}: empty golden file")
     where, header = lines[0]

@@ -25,7 +25,6 @@ Needs torch and transformers (`pip install 'refengine[parity]'`), imported when 
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from ..data import shipped
 from ..errors import RefengineError
+from ..jsonl import json_lines
 from .tiny import SPECIAL_TOKENS, TRAINED_RECIPE, TinySpec, render_chatml, write_folder
 
 TRAINING_DATA = ("training", "tiny-chat.jsonl")
@@ -57,24 +57,13 @@ TINY_CHAT = TinySpec(arch="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, hea
 
 def read_examples(path: Path) -> list[dict]:
     """The training examples of a JSONL file (docs/formats.md, Training examples), each line checked."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise RefengineError(f"{path}: cannot read training examples ({e})") from None
     examples = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            example = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RefengineError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(example, dict) or not (isinstance(example.get("text"), str)
-                                                 or isinstance(example.get("messages"), list)):
-            raise RefengineError(f"{path}:{n}: expected an object with 'text' (a string) or 'messages' (a list)")
+    for where, example in json_lines(path):
+        if not (isinstance(example.get("text"), str) or isinstance(example.get("messages"), list)):
+            raise RefengineError(f"{where}: expected an object with 'text' (a string) or 'messages' (a list)")
         for k, m in enumerate(example.get("messages", [])):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise RefengineError(f"{path}:{n}: messages[{k}]: expected an object with string 'role' and 'content'")
+                raise RefengineError(f"{where}: messages[{k}]: expected an object with string 'role' and 'content'")
         examples.append(example)
     if not examples:
         raise RefengineError(f"{path}: no training examples")
