@@ -162,8 +162,8 @@ def train_tiny_chat(out_dir: str | Path, train: TrainSpec = TrainSpec(), data: P
     encoded = encode_examples(examples, tokenizer)
 
     torch.manual_seed(train.seed)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same sums in the same order on every run
     try:
         model = _hf_model(spec, special_ids).to(torch.float32)
@@ -189,8 +189,9 @@ def train_tiny_chat(out_dir: str | Path, train: TrainSpec = TrainSpec(), data: P
             steps.set_postfix(loss=f"{loss:.4f}", refresh=False)
         state = {name: p.detach().numpy().astype(np.float32) for name, p in model.state_dict().items()
                  if not (spec.tie and name == "lm_head.weight")}
-    finally:
+    finally:  # the process's settings as they were (a test, or a caller that trains and goes on)
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     recipe = {"data": "/".join(TRAINING_DATA) if data == shipped(*TRAINING_DATA) else str(data),
               "data_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
               "examples": len(examples), "tokens": sum(len(t) for t, _ in encoded),
