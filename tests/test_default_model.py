@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -110,6 +111,28 @@ def test_a_missing_training_file_is_named(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and str(missing) in err
 
 
+def hold_until_all_eight_arrive(server: OpenAIServer, deadline_s: float = 60.0) -> None:
+    """After validate's eight alone requests, the server steps nothing until the eight concurrent ones
+    are all in its engine: they share every step however slowly a loaded machine starts the clients
+    (without it, one request on a busy machine may run before another arrives, and miss the batch).
+    validate's dialect probe (max_tokens 1) comes first and is not counted."""
+    engine, step, add = server.engine, server.engine.step, server.engine.add_request
+    added: list[float] = []
+
+    def counted_add(*args, **kwargs):
+        if kwargs["params"].max_tokens > 1:
+            added.append(time.monotonic())
+        return add(*args, **kwargs)
+
+    def held_step():
+        if len(added) > 8 and len(added) < 16 and time.monotonic() - added[8] < deadline_s:
+            time.sleep(0.001)  # the engine thread admits the next arrival between steps
+            return []
+        return step()
+
+    engine.add_request, engine.step = counted_add, held_step
+
+
 @pytest.mark.parametrize("fault", [None, "logits-rows-misassigned-after-leave"])
 def test_eight_concurrent_clients_get_what_each_gets_alone(default_model, tmp_path, fault):
     """The seed experiment over HTTP: the eight questions sent at once by eight clients, each answer
@@ -119,6 +142,7 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(default_model, tmp_pa
     prompts.write_text("".join(json.dumps({"id": c.id, "messages": c.messages, "max_tokens": c.max_tokens}) + "\n"
                                for c in seed_questions()))
     server = OpenAIServer(default_model, EngineConfig(max_num_seqs=8, fault=fault), host="127.0.0.1")
+    hold_until_all_eight_arrive(server)
     server.start()
     try:
         report = tmp_path / "report.json"
@@ -129,7 +153,7 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(default_model, tmp_pa
     finally:
         server.close()
     data = json.loads(report.read_text())
-    assert data["overlap"]["overlapped"] == 8 and max_batch >= 2  # they did share engine steps
+    assert data["overlap"]["overlapped"] == 8 and max_batch == 8  # they did share engine steps
     verdicts = [r["verdict"] for r in data["requests"]]
     if fault:
         assert code == 1 and data["summary"]["verdict"] == "FAIL" and "diverged" in verdicts
