@@ -7,7 +7,9 @@ from pathlib import Path
 
 from ..check.golden import load_prompts, read_golden
 from ..errors import RefengineError
+from ..model import load_model
 from ..validate.board import Cases, validate
+from ..validate.margins import LocalMargins
 from ..validate.plan import APIS, BASELINES, Settings
 from ..validate.precision import agreeing_deltas, plot_precision
 from ..validate.report import format_report
@@ -30,7 +32,11 @@ def run_validate(args) -> int:
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
                         repeat=args.repeat, timeout=args.timeout, baseline=baseline)
     cases = load_cases(args.golden, args.prompts)
-    return finish(args, validate(args.url, cases, settings), cases)
+    return finish(args, validate(args.url, cases, settings, margins=local_margins(args)), cases)
+
+
+def local_margins(args) -> LocalMargins | None:
+    return LocalMargins(load_model(args.model)) if args.model else None
 
 
 def replay_repro(args) -> int:
@@ -46,7 +52,7 @@ def replay_repro(args) -> int:
     s = data["settings"]
     settings = Settings(concurrency=s["concurrency"], margin_tolerance=s.get("margin_tolerance"), api=s["api"],
                         timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"])
-    report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay))
+    report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay), local_margins(args))
     return finish(args, report, cases)
 
 
@@ -85,6 +91,10 @@ def register(subparsers) -> None:
                    help="largest baseline top-2 margin a divergence may occur at (default: golden, the golden "
                         "file's calibrated float32 noise bound, raise it for bf16 or quantized devices; serial, 0: "
                         "bit-identical)")
+    p.add_argument("--model", metavar="DIR",
+                   help="the served model's HF folder: with the serial baseline, where the server reports no "
+                        "logprobs (or no ids), the float64 reference measures the alone answer's top-2 margin at "
+                        "each divergence, instead of holding it strictly")
     p.add_argument("--api", choices=APIS, default="auto",
                    help="auto: chat cases to /v1/chat/completions, text prompts to /v1/completions; "
                         "completions: chat cases sent as their golden prompt ids")

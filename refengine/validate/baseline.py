@@ -5,11 +5,15 @@
 - serial: the same server's answer to the same request sent alone, nothing else in flight: batch
   invariance ON the device, for any precision, with no golden file or model folder. A divergence is
   explained only at the server's OWN top-2 margin there (from the logprobs of its alone answer)
-  within the tolerance, 0 by default (bit-identical); a server without logprobs is held strictly.
+  within the tolerance, 0 by default (bit-identical). A server without logprobs (or without ids) is
+  held strictly, unless validate has the model's folder: then the float64 reference measures the
+  margin there, along the alone answer's tokens (validate.margins).
 
 Each baseline turns (planned request, completion) into the report's verdict fields (FORMATS.md).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..check.golden import Golden
 from ..check.margin_rule import (
@@ -20,15 +24,19 @@ from ..check.margin_rule import (
     judge_text,
 )
 from .client import Completion
+from .margins import LocalMargins, text_divergence
 from .plan import Planned
 
 
-def record_fields(v: Verdict) -> dict:
-    """A verdict as the validation report's request fields (FORMATS.md): `step` is the generated-token index."""
+def record_fields(v: Verdict, margin_from: str | None = None) -> dict:
+    """A verdict as the validation report's request fields (FORMATS.md): `step` is the generated-token
+    index; `margin_from` what measured the margin (golden, server, model; None: no margin)."""
     if v.kind == "match":  # a text match may note golden tokens left unsettled at the end (judge_text)
         return {"verdict": "match", "compared_by": v.compared_by, **({"note": v.reason} if v.reason else {})}
     return {"verdict": v.kind, "compared_by": v.compared_by, "step": v.index, "margin": v.margin,
-            "expected": v.want, "got": v.got, "expected_text": v.want_text, "got_text": v.got_text}
+            "margin_from": margin_from if v.margin is not None else None,
+            "expected": v.want, "got": v.got, "expected_text": v.want_text, "got_text": v.got_text,
+            **({"note": v.reason} if v.reason else {})}
 
 
 def prompt_mismatch(want: list[int] | None, got: list[int] | None, what: str) -> str | None:
@@ -67,7 +75,7 @@ class GoldenBaseline:
         if verdict.kind == "match" and completion.finish_reason != case.finish_reason:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"golden {case.finish_reason!r}")
-        return record_fields(verdict)
+        return record_fields(verdict, "golden")
 
 
 def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:
@@ -102,9 +110,10 @@ class SerialBaseline:
     name = "serial"
 
     def __init__(self, alone: dict[tuple[str, str], Completion], tolerance: float,
-                 failed: dict[tuple[str, str], str] | None = None):
+                 failed: dict[tuple[str, str], str] | None = None, margins: LocalMargins | None = None):
         self.alone, self.tolerance = alone, tolerance  # (case id, api) -> the answer sent alone
         self.failed = failed or {}                    # (case id, api) -> why its alone request failed
+        self.margins = margins                        # the local model's float64 margins, if given
 
     def expected_tokens(self, case_id: str, api: str) -> int | None:
         alone = self.alone.get((case_id, api))
@@ -121,4 +130,28 @@ class SerialBaseline:
         if verdict.kind == "match" and completion.finish_reason != alone.finish_reason:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"alone {alone.finish_reason!r}")
-        return record_fields(verdict)
+        if verdict.kind == "diverged" and verdict.margin is None and self.margins is not None:
+            measured = self.measure(p.case, alone, completion, verdict)
+            return record_fields(measured, "model")
+        return record_fields(verdict, "server")
+
+    def measure(self, case, alone: Completion, got: Completion, verdict: Verdict) -> Verdict:
+        """The divergence judged again at the float64 margin of the local model, teacher-forced along
+        the alone answer: its ids, or (a server without ids) its text's ids by the local tokenizer."""
+        if verdict.compared_by == "token_ids":
+            index, alone_ids = verdict.index, alone.token_ids
+            if index >= len(alone_ids):  # the alone answer had ended: no margin can explain a longer one
+                return verdict
+            reason = ""
+        else:
+            parted = text_divergence(self.margins.model, alone.text, got.text)
+            if parted.index is None:
+                return replace(verdict, reason=f"{verdict.reason}; {parted.problem}")
+            index, alone_ids = parted.index, parted.baseline_ids
+            if index >= len(alone_ids):
+                return replace(verdict, index=index, got=parted.got_ids[index])
+            verdict = replace(verdict, index=index, want=alone_ids[index],
+                              got=parted.got_ids[index] if index < len(parted.got_ids) else None)
+            reason = f"{verdict.reason}; token index and ids from the answers' text, by the local tokenizer"
+        margin = self.margins.margin(self.margins.prompt_ids(case, alone.prompt_token_ids), alone_ids, index)
+        return replace(verdict, kind=first_divergence(margin, self.tolerance), margin=margin, reason=reason)

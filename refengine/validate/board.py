@@ -24,6 +24,7 @@ from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
 from .drain import server_state, wait_drained
 from .load import VERDICTS, overlap, replay, tokens_to_come
+from .margins import LocalMargins
 from .plan import Planned, Settings, plan, probe_bodies
 from .precision import precision
 
@@ -83,9 +84,11 @@ def arrival_spread(settings: Settings, requests: int, alone_latency: float) -> f
     return round(requests * alone_latency / (2 * settings.concurrency), 3)
 
 
-def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] | None = None) -> dict:
+def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] | None = None,
+             margins: LocalMargins | None = None) -> dict:
     """Run the schedule — `planned` (a repro's, validate.repro) or the seeded random one; the report
-    (FORMATS.md). Unreachable server: RefengineError."""
+    (FORMATS.md). `margins`: the local model's float64 margins, for the serial baseline's divergences
+    where the server reports none. Unreachable server: RefengineError."""
     if settings.baseline == "golden" and cases.golden is None:
         raise RefengineError(f"baseline: golden needs a golden file; {cases.path} is a prompts file (no "
                              f"expected answers): use serial")
@@ -103,7 +106,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     if settings.baseline == "serial":
         kept, alone_records = send_alone(endpoint, draft, served["id"], dialect)
         failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
-        baseline = SerialBaseline(kept.answers, tolerance, failed)
+        baseline = SerialBaseline(kept.answers, tolerance, failed, margins)
     else:  # one request of a typical case, alone, for the pace (a given plan has its own)
         typical = sorted(draft, key=lambda p: len(p.case.token_ids))[len(draft) // 2]
         _, alone_records = send_alone(endpoint, [] if planned else [typical], served["id"], dialect)
@@ -143,6 +146,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                      "arrival_spread_from": spread_from, "alone_latency_s": alone_latency,
                      "repeat": settings.repeat, "timeout": settings.timeout},
         "dialect": dialect.report(),
+        "margins": None if margins is None else {"model": str(margins.model.path), "fingerprint": margins.fingerprint,
+                                                 "measured": margins.measured},
         "alone": alone_records,
         "requests": requests,
         "overlap": load,

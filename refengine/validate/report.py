@@ -8,11 +8,23 @@ from .load import MIN_OVERLAP_FRACTION, VERDICTS
 from .precision import format_precision
 
 
-def describe_record(r: dict, tolerance: float, baseline: str = "golden") -> str:
-    """The margin rule's diff for an `explained` or `diverged` record."""
-    verdict = Verdict(r["id"], r["verdict"], r["compared_by"], index=r["step"], got=r["got"], want=r["expected"],
-                      margin=r["margin"], tolerance=tolerance, want_text=r["expected_text"], got_text=r["got_text"])
-    return describe(verdict, "got", "golden" if baseline == "golden" else "alone")
+MARGIN_SOURCES = {"golden": "the golden file's float64 margin",
+                  "server": "the server's own, from the logprobs of its alone answer",
+                  "model": "the float64 reference on the local model, along the alone answer's tokens"}
+
+
+def describe_record(r: dict, tolerance: float, baseline: str = "golden", local_model: bool = False) -> str:
+    """The margin rule's diff for an `explained` or `diverged` record, with where its margin came from
+    (and, with none, that the local model would have measured one)."""
+    verdict = Verdict(r["id"], r["verdict"], r["compared_by"], reason=r.get("note", ""), index=r["step"],
+                      got=r["got"], want=r["expected"], margin=r["margin"], tolerance=tolerance,
+                      want_text=r["expected_text"], got_text=r["got_text"])
+    text = describe(verdict, "got", "golden" if baseline == "golden" else "alone")
+    if r.get("margin_from"):
+        return text + f"\n  margin from {MARGIN_SOURCES[r['margin_from']]}"
+    if baseline == "serial" and not local_model and not (r["expected"] is None and r["step"] is not None):
+        return text + "\n  the served model's folder would give it one: the float64 reference measures the margin"
+    return text
 
 
 def _detail(r: dict) -> str:
@@ -50,7 +62,7 @@ def format_report(report: dict) -> str:
                      f"{_detail(r)}")
     for r in report["requests"]:
         if r["verdict"] in ("explained", "diverged"):
-            lines.append(describe_record(r, s["tolerance"], report["baseline"]))
+            lines.append(describe_record(r, s["tolerance"], report["baseline"], bool(report.get("margins"))))
     for r in report["alone"]:
         if r["verdict"] == "error":
             lines.append(f"alone {r['id']}: error: {r['error']}")
@@ -69,6 +81,13 @@ def format_report(report: dict) -> str:
     if server_fingerprint and report["model_fingerprint"] and server_fingerprint != report["model_fingerprint"]:
         lines.append(f"note: the server reports model {server_fingerprint}, the golden file was made from "
                      f"{report['model_fingerprint']} (expected for a converted or quantized model)")
+    margins = report.get("margins")
+    if margins:
+        lines.append(f"margins: {margins['measured']} measured by the float64 reference on {margins['model']}")
+        if server_fingerprint and server_fingerprint != margins["fingerprint"]:
+            lines.append(f"note: the server reports model {server_fingerprint}, the local model is "
+                         f"{margins['fingerprint']}: its margins are another model's unless the server's is a "
+                         f"conversion of it")
     lines += dialect_notes(report.get("dialect"))
     if report.get("precision"):
         lines += format_precision(report["precision"])
