@@ -10,6 +10,7 @@ unambiguous at the divergence (text_divergence says when it is not, and the verd
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ class LocalMargins:
         self.model = model
         self.measured = 0
         self._memo: dict[tuple, float] = {}
+        self._lock = threading.Lock()  # validate judges answers on its request threads: each margin once
 
     @property
     def fingerprint(self) -> str:
@@ -72,9 +74,10 @@ class LocalMargins:
     def margin(self, prompt_ids: list[int], answer_ids: list[int], index: int) -> float:
         """Top-1 minus top-2 float64 logit at generated position `index`, given answer_ids[:index]."""
         key = (tuple(prompt_ids), tuple(answer_ids[:index]))
-        if key not in self._memo:
-            logits = prompt_logits(self.model, list(prompt_ids) + list(answer_ids[:index]))[-1]  # [vocab]
-            second, first = np.partition(logits, -2)[-2:]
-            self._memo[key] = float(first - second)
-            self.measured += 1
-        return self._memo[key]
+        with self._lock:
+            if key not in self._memo:
+                logits = prompt_logits(self.model, list(prompt_ids) + list(answer_ids[:index]))[-1]  # [vocab]
+                second, first = np.partition(logits, -2)[-2:]
+                self._memo[key] = float(first - second)
+                self.measured += 1
+            return self._memo[key]
