@@ -8,7 +8,7 @@ from .load import MIN_OVERLAP_FRACTION, VERDICTS
 from .precision import format_precision
 
 
-MARGIN_SOURCES = {"golden": "the golden file's float64 margin",
+MARGIN_SOURCES = {"golden": "the golden file (float64)",
                   "server": "the server's own, from the logprobs of its alone answer",
                   "model": "the float64 reference on the local model, along the alone answer's tokens"}
 
