@@ -168,8 +168,8 @@ class TransformersServer:
     """`transformers serve --continuous-batching` on 127.0.0.1 and a free port, in its own process
     group (its log in `log`); `url` once /health answers 200."""
 
-    def __init__(self, model_dir: Path, log: Path):
-        self.model_dir, self.log = model_dir, log
+    def __init__(self, model_dir: Path, log: Path, dtype: str = "auto"):
+        self.model_dir, self.log, self.dtype = model_dir, log, dtype
         self.process: subprocess.Popen | None = None
         self.url = ""
 
@@ -181,7 +181,7 @@ class TransformersServer:
                 self.process = subprocess.Popen(
                     [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve",
                      "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
-                     "--log-level", "info", str(self.model_dir)],
+                     "--log-level", "info", "--dtype", self.dtype, str(self.model_dir)],
                     env=child_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True)
             if self._wait_healthy():
@@ -334,3 +334,24 @@ def test_validate_reports_a_dead_worker_and_does_not_hang(server, model_dir, gol
     assert all(r["verdict"] == "error" and r["error"] for r in report["requests"])
     assert set(report["dialect"].get("probe_errors", {})) == {"completions", "chat"}
     assert elapsed < VALIDATE_TIMEOUT_S  # refused at once (HTTP 503), not waited out
+
+
+def test_a_bf16_server_passes_with_every_divergence_measured_within_the_bf16_bound(model_dir, golden_file, workdir):
+    """The same weights served in bf16 (only rounding): against the float64 golden file, each case alone
+    (precision effect) and each loaded answer against its alone answer (batching effect). The server
+    reports neither ids nor logprobs, so with --model every divergence gets a float64 margin, and each
+    must be within the bf16 tolerance from the golden header (refengine's reference rounded to bf16)."""
+    srv = TransformersServer(model_dir, workdir / "serve-bf16.log", dtype="bfloat16").start()
+    try:
+        done, report = validate(srv.url, "--golden", golden_file, "--precision", "bf16", "--model", model_dir,
+                                "--concurrency", 4, "--seed", 1, "--cancel-rate", 0.2, "--repeat", 2,
+                                cwd=workdir, report=workdir / "report-bf16.json")
+    finally:
+        srv.close()
+    assert done.returncode == 0, done.stdout + done.stderr + srv.log_tail()
+    bounds = report["bounds"]
+    assert bounds["precision"] == "bf16" and bounds["bound_from"] == "golden"
+    assert report["effects"]["precision"]["diverged"] == report["effects"]["batching"]["diverged"] == 0
+    divergences = [r for r in report["alone"] if r["verdict"] == "explained"] + \
+        [r["batching"] for r in report["requests"] if r.get("batching", {}).get("verdict") == "explained"]
+    assert all(d["margin"] is not None and d["margin"] <= bounds["precision_tolerance"] for d in divergences)

@@ -89,17 +89,14 @@ from ..engine import (
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
-from ..sampling import SamplingParams
 from .comparison import logit_deviation
 from .driver import run_alone, run_batched
+from .margin_rule import SAFETY_FACTOR
+from .rounded import BOUND_KEYS, MAX_TOKENS, PROMPT_LENGTHS, calibration_prompts, precision_noise, teacher_forced
 from .schedule import parse_schedule
 
-SAFETY_FACTOR = 8
 LAMBDA = 6  # the ceiling's probabilistic rounding-error multiplier (module docstring)
 EPS_F32 = float(np.finfo(np.float32).eps)  # 2^-23
-SEED = 0
-PROMPT_LENGTHS = (1, 2, 3, 5, 8, 13, 16, 17, 24, 31, 33, 48)
-MAX_TOKENS = 16
 SETTINGS = (  # each a different batching pattern: chunked prefill + mixed steps, wide batches, preemption
     {"max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 4},
     {"max_num_seqs": 12, "max_num_batched_tokens": 64, "block_size": 16},
@@ -107,12 +104,8 @@ SETTINGS = (  # each a different batching pattern: chunked prefill + mixed steps
 )
 KEYS = ("f32_batched_vs_serial", "f32_vs_f64", "safety_factor")
 BOUNDS = ("f32_batched_vs_serial", "f32_vs_f64")
+SIXTEEN_BIT_KEYS = (BOUND_KEYS["bf16"], BOUND_KEYS["fp16"])  # optional keys, bounds of 16-bit servers (check.rounded)
 STORED_DIR = "golden"  # of the package data: committed calibrations, beside the golden files they went into
-
-
-def calibration_prompts(vocab_size: int) -> list[list[int]]:
-    rng = np.random.default_rng(SEED)
-    return [rng.integers(0, vocab_size, size=length).tolist() for length in PROMPT_LENGTHS]
 
 
 def calibration_schedules(vocab_size: int) -> list[dict]:
@@ -176,19 +169,13 @@ def reference_noise(model: Model) -> dict:
     the calibration prompts teacher-forced through the float64 greedy answers, as one prefill of the
     whole sequence and as a prefill of the prompt followed by one token at a time (the engine's two
     paths). -> {"max": largest |logit difference|, "median": ..., "rows": rows compared}."""
-    cfg = model.config
-    w64, w32 = model.weights(np.float64), model.weights(np.float32)
+    cfg, w32 = model.config, model.weights(np.float32)
     deviations = []
-    for prompt in calibration_prompts(cfg.vocab_size):
-        answer = reference.generate(model, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                                    top_k_logprobs=0)
-        ids = prompt + answer.token_ids[:-1]                           # every token the answer was chosen from
-        rows = slice(len(prompt) - 1, len(ids))                        # the positions that chose a token
-        want = reference.forward(w64, cfg, ids, reference.KVCache())[rows]          # [tokens, vocab]
+    for prompt, answer, ids, rows, want in teacher_forced(model):
         prefilled = reference.forward(w32, cfg, ids, reference.KVCache())[rows]     # [tokens, vocab]
         cache = reference.KVCache()
         decoded = np.stack([reference.forward(w32, cfg, prompt, cache)[-1]]
-                           + [reference.forward(w32, cfg, [t], cache)[-1] for t in answer.token_ids[:-1]])
+                           + [reference.forward(w32, cfg, [t], cache)[-1] for t in answer[:-1]])
         for got in (prefilled, decoded):
             deviations += np.abs(got.astype(np.float64) - want).max(axis=-1).tolist()
     return {"max": float(max(deviations)), "median": float(np.median(deviations)), "rows": len(deviations)}
@@ -221,10 +208,12 @@ def calibrate(model: Model, name: str | None = None, fault: str | None = None) -
         require_within_ceiling(model, name, {"f32_batched_vs_serial": measured_batched,  # after every schedule:
                                              "engine_vs_f64 (the engine against float64)": measured_engine},
                                "calibration: the engine under test")             # a broken engine fails fast
+    sixteen_bit = {p: precision_noise(model, p) for p in ("bf16", "fp16")}
     return {
         "model_fingerprint": model.fingerprint,
         "f32_batched_vs_serial": measured_batched,
         "f32_vs_f64": precision["max"],
+        **{BOUND_KEYS[p]: noise["max"] for p, noise in sixteen_bit.items()},
         "safety_factor": SAFETY_FACTOR,
         "ceiling": limit,
         "measured": {
@@ -237,6 +226,7 @@ def calibrate(model: Model, name: str | None = None, fault: str | None = None) -
                                  "float64 greedy answers, as one prefill and token by token",
             "f32_vs_f64_rows": precision["rows"],
             "f32_vs_f64_median": precision["median"],
+            **sixteen_bit_measured(sixteen_bit),
             "engine_vs_f64": measured_engine,
             "engine_vs_f64_tokens": len(engine_noise),
             "engine_vs_f64_use": "a check against the ceiling only, never a tolerance",
@@ -245,6 +235,17 @@ def calibrate(model: Model, name: str | None = None, fault: str | None = None) -
         },
         "numerics": blas.blas_identity(),  # the BLAS measured on (optional: stored calibrations predate it)
     }
+
+
+def sixteen_bit_measured(noise: dict) -> dict:
+    """The `measured` entries of the bf16 and fp16 bounds (check.rounded)."""
+    out = {}
+    for precision, n in noise.items():
+        key = BOUND_KEYS[precision]
+        out |= {f"{key}_source": f"the float64 reference rounded as a {precision} accelerator stores tensors "
+                                 f"(check.rounded) vs float64, teacher-forced through the float64 greedy answers, "
+                                 f"as one prefill", f"{key}_rows": n["rows"], f"{key}_median": n["median"]}
+    return out
 
 
 def load_calibration(path: str | Path) -> dict:
@@ -259,6 +260,10 @@ def load_calibration(path: str | Path) -> dict:
         raise RefengineError(f"{path}: expected a JSON object with {', '.join(KEYS)}")
     for key in KEYS:
         value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise RefengineError(f"{path}: {key}: expected a number >= 0, got {value!r}")
+    for key in SIXTEEN_BIT_KEYS:  # optional: calibrations made before the bf16 / fp16 bounds have none
+        value = data.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise RefengineError(f"{path}: {key}: expected a number >= 0, got {value!r}")
     if not isinstance(data.get("numerics", {}), dict):

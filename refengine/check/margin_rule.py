@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CONTEXT_CHARS = 40
+SAFETY_FACTOR = 8  # every bound's multiplier: 2 (both logits of a pair move) x 4 (headroom; check.calibrate)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ from pathlib import Path
 from ..check.golden import load_prompts, read_golden
 from ..errors import RefengineError
 from ..model import load_model
+from ..check.rounded import PRECISIONS
 from ..validate.board import Cases, validate
+from ..validate.effects import plot_effects
+from ..validate.junit import write_junit
 from ..validate.margins import LocalMargins
 from ..validate.plan import APIS, BASELINES, Settings
 from ..validate.precision import agreeing_deltas, plot_precision
@@ -30,7 +33,8 @@ def run_validate(args) -> int:
     baseline = args.baseline or ("golden" if args.golden else "serial")
     settings = Settings(concurrency=args.concurrency, seed=args.seed, cancel_rate=args.cancel_rate,
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
-                        repeat=args.repeat, timeout=args.timeout, baseline=baseline)
+                        repeat=args.repeat, timeout=args.timeout, baseline=baseline, precision=args.precision,
+                        batch_invariant=args.batch_invariant)
     cases = load_cases(args.golden, args.prompts)
     return finish(args, validate(args.url, cases, settings, margins=local_margins(args)), cases)
 
@@ -51,7 +55,8 @@ def replay_repro(args) -> int:
     cases = load_cases(source if golden else None, None if golden else source)
     s = data["settings"]
     settings = Settings(concurrency=s["concurrency"], margin_tolerance=s.get("margin_tolerance"), api=s["api"],
-                        timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"])
+                        timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"],
+                        precision=s.get("precision", "f32"), batch_invariant=s.get("batch_invariant", False))
     report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay), local_margins(args))
     return finish(args, report, cases)
 
@@ -70,6 +75,10 @@ def finish(args, report: dict, cases: Cases) -> int:
                                  "is not golden)")
         deltas, _ = agreeing_deltas(report["requests"], cases.golden)  # also when the report kept none
         print(f"plot: {plot_precision(report['precision'], deltas, args.plot)}")
+    if args.plot_margins:
+        print(f"plot: {plot_effects(report, args.plot_margins)}")
+    if args.junit_xml:
+        print(f"junit: {write_junit(report, args.junit_xml)}")
     return 0 if report["summary"]["passed"] else 1
 
 
@@ -88,13 +97,20 @@ def register(subparsers) -> None:
     p.add_argument("--cancel-rate", type=float, default=0.2,
                    help="fraction of requests that hang up mid-stream (not compared)")
     p.add_argument("--margin-tolerance", type=float,
-                   help="largest baseline top-2 margin a divergence may occur at (default: golden, the golden "
-                        "file's calibrated float32 noise bound, raise it for bf16 or quantized devices; serial, 0: "
+                   help="largest baseline top-2 margin a divergence may occur at, overriding the precision bound "
+                        "(default: the --precision bound x its safety factor; serial with no bound known, 0: "
                         "bit-identical)")
     p.add_argument("--model", metavar="DIR",
-                   help="the served model's HF folder: with the serial baseline, where the server reports no "
-                        "logprobs (or no ids), the float64 reference measures the alone answer's top-2 margin at "
-                        "each divergence, instead of holding it strictly")
+                   help="the served model's HF folder: where the server reports no logprobs (or no ids), the "
+                        "float64 reference measures the alone answer's top-2 margin at each divergence, instead of "
+                        "holding it strictly; it also gives the precision bound a golden file lacks")
+    p.add_argument("--precision", choices=("auto",) + PRECISIONS, default="auto",
+                   help="what the server computes in: its divergences are held to refengine's reference rounded "
+                        "to that precision against float64 (the bound in the golden file, or measured on --model); "
+                        "auto: the --model folder's config.json dtype, else f32")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine claims batch invariance: hold every loaded answer to its alone answer bit for "
+                        "bit (default: a batching divergence may occur only within the precision tolerance)")
     p.add_argument("--api", choices=APIS, default="auto",
                    help="auto: chat cases to /v1/chat/completions, text prompts to /v1/completions; "
                         "completions: chat cases sent as their golden prompt ids")
@@ -111,4 +127,11 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="OUT.png",
                    help="histogram of |server logprob - golden logprob| on the agreeing tokens, with the float32 "
                         "bound (needs the plot extra, a golden baseline and a server that reports logprobs)")
+    p.add_argument("--plot-margins", metavar="OUT.png",
+                   help="every divergence's top-2 margin against the precision and batching tolerances, the "
+                        "precision effect (alone vs golden) and the batching effect (loaded vs alone) in two "
+                        "colours (needs the plot extra and a golden baseline)")
+    p.add_argument("--junit-xml", metavar="OUT.xml",
+                   help="write the run as JUnit XML: a testcase per request alone and loaded, failures with the "
+                        "verdict's text")
     p.set_defaults(func=run_validate)

@@ -24,6 +24,7 @@ from ..check.margin_rule import (
     judge_text,
 )
 from .client import Completion
+from .dialect import unstripped
 from .margins import LocalMargins, text_divergence
 from .plan import Planned
 
@@ -68,14 +69,16 @@ class GoldenBaseline:
         if completion.token_ids is None and case.text_offsets is None:
             return error("the server reports no token ids and the golden file has no text_offsets to align "
                          "its text with; refresh it")
-        if completion.token_ids is not None:
+        restored = []
+        if completion.token_ids is not None:  # by ids: the server's text, whatever it did to it, is context only
             verdict = judge_ids(case, completion.token_ids, completion.text, self.tolerance)
         else:
-            verdict = judge_text(case, completion.text, self.tolerance)
+            text, restored = unstripped(case.text, completion.text)
+            verdict = judge_text(case, text, self.tolerance)
         if verdict.kind == "match" and completion.finish_reason != case.finish_reason:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"golden {case.finish_reason!r}")
-        return record_fields(verdict, "golden")
+        return record_fields(verdict, "golden") | ({"whitespace_restored": restored} if restored else {})
 
 
 def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:
@@ -155,3 +158,30 @@ class SerialBaseline:
             reason = f"{verdict.reason}; token index and ids from the answers' text, by the local tokenizer"
         margin = self.margins.margin(self.margins.prompt_ids(case, alone.prompt_token_ids), alone_ids, index)
         return replace(verdict, kind=first_divergence(margin, self.tolerance), margin=margin, reason=reason)
+
+
+class ThreeWay:
+    """The golden baseline with both effects apart: each loaded answer judged against the golden file
+    (its `verdict`) and against the same server's alone answer (its `batching` verdict). The alone
+    answers were judged against the golden file when they were sent (the precision effect).
+
+    Where the alone answer matched the golden file, loaded vs alone is loaded vs golden: the batching
+    divergence is the golden one, at its float64 margin, held to the batching tolerance. Elsewhere the
+    serial baseline judges it (the server's own margin, or the local model's)."""
+    name = "golden"
+
+    def __init__(self, golden: GoldenBaseline, serial: SerialBaseline, alone_records: list[dict]):
+        self.golden, self.serial = golden, serial
+        self.alone_matched = {(r["case"], r["api"]) for r in alone_records if r["verdict"] == "match"}
+
+    def expected_tokens(self, case_id: str, api: str) -> int | None:
+        return self.golden.expected_tokens(case_id, api)
+
+    def judge(self, p: Planned, completion: Completion) -> dict:
+        fields = self.golden.judge(p, completion)
+        if (p.case.id, p.api) in self.alone_matched and fields["verdict"] in ("match", "explained", "diverged"):
+            kind = "match" if fields["verdict"] == "match" else first_divergence(fields["margin"], self.serial.tolerance)
+            batching = {**fields, "verdict": kind}
+        else:
+            batching = self.serial.judge(p, completion)
+        return {**fields, "batching": batching}

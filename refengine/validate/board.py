@@ -19,9 +19,11 @@ from pathlib import Path
 
 from ..check.golden import Golden, PromptCase
 from ..errors import RefengineError
-from .baseline import GoldenBaseline, SerialBaseline
+from .baseline import GoldenBaseline, SerialBaseline, ThreeWay
+from .bounds import Tolerances, tolerances
 from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
+from .effects import effect_counts
 from .drain import server_state, wait_drained
 from .load import VERDICTS, overlap, replay, tokens_to_come
 from .margins import LocalMargins
@@ -58,20 +60,22 @@ def served_model(endpoint: Endpoint) -> dict:
 
 
 class _Alone:
-    """The serial baseline's first phase: keeps each answer; judges nothing."""
+    """The first phase: keeps each answer sent alone; judges it against the golden file where there is
+    one (the precision effect), else not at all."""
 
-    def __init__(self):
+    def __init__(self, golden: GoldenBaseline | None = None):
         self.answers: dict[tuple[str, str], Completion] = {}
+        self.golden = golden
 
     def judge(self, p: Planned, completion: Completion) -> dict:
         self.answers[p.case.id, p.api] = completion
-        return {"verdict": "answered"}
+        return {"verdict": "answered"} if self.golden is None else self.golden.judge(p, completion)
 
 
 def send_alone(endpoint: Endpoint, planned: list[Planned], served_name: str,
-               dialect: Dialect | None) -> tuple[_Alone, list]:
+               dialect: Dialect | None, golden: GoldenBaseline | None = None) -> tuple[_Alone, list]:
     """Each (case, api) of the plan once, whole, one at a time: nothing else in flight."""
-    alone, seen = _Alone(), {}
+    alone, seen = _Alone(golden), {}
     for p in planned:
         seen.setdefault((p.case.id, p.api), Planned(f"{p.case.id}@{p.api}", p.case, p.api, 0.0, False, None))
     records = [replay(endpoint, [p], served_name, alone, 1, dialect)[0] for p in seen.values()]
@@ -94,23 +98,20 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                              f"expected answers): use serial")
     endpoint = Endpoint(url, settings.timeout)
     served = served_model(endpoint)
-    tolerance = settings.margin_tolerance
-    if tolerance is None:
-        tolerance = cases.golden.tolerance if settings.baseline == "golden" else 0.0
+    bounds = tolerances(settings.precision, settings.margin_tolerance, settings.batch_invariant, cases.golden,
+                        None if margins is None else margins.model)
+    tolerance = bounds.precision_tolerance if settings.baseline == "golden" else bounds.batching
     draft, dialect = planned or plan(cases.cases, settings, 0.0, cases.path), Dialect()
     probe(endpoint, probe_bodies(draft, served["id"]), dialect)
     try:
         drain_baseline = server_state(endpoint)  # None: the server exposes no status
     except (OSError, ServerError):
         drain_baseline = None
-    if settings.baseline == "serial":
-        kept, alone_records = send_alone(endpoint, draft, served["id"], dialect)
-        failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
-        baseline = SerialBaseline(kept.answers, tolerance, failed, margins)
-    else:  # one request of a typical case, alone, for the pace (a given plan has its own)
-        typical = sorted(draft, key=lambda p: len(p.case.token_ids))[len(draft) // 2]
-        _, alone_records = send_alone(endpoint, [] if planned else [typical], served["id"], dialect)
-        baseline = GoldenBaseline(cases.golden, tolerance)
+    golden = GoldenBaseline(cases.golden, tolerance) if settings.baseline == "golden" else None
+    kept, alone_records = send_alone(endpoint, draft, served["id"], dialect, golden)
+    failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
+    serial = SerialBaseline(kept.answers, bounds.batching, failed, margins)
+    baseline = serial if golden is None else ThreeWay(golden, serial, alone_records)
     alone_latency = statistics.median(r["latency_s"] for r in alone_records) if alone_records else None
     if planned:
         spread, spread_from = max(p.arrival_s for p in planned), "repro"
@@ -122,6 +123,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     requests = replay(endpoint, planned, served["id"], baseline, settings.concurrency, dialect)
     wall_s = round(time.monotonic() - start, 3)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
+    effects = effect_counts(requests, alone_records) if golden is not None else None
     drained, state, note = wait_drained(endpoint, drain_baseline, DRAIN_DEADLINE_S, DRAIN_POLL_S)
     drain = {"checked": state is not None, "drained": drained, "note": note,
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
@@ -131,7 +133,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         drained = drained and drain["aborts"]["ok"]
     load = overlap(requests)
     alone_errors = sum(r["verdict"] == "error" for r in alone_records)
-    if counts["diverged"] or counts["error"] or alone_errors or (drain["checked"] and not drained):
+    effects_diverged = effects is not None and (effects["precision"]["diverged"] or effects["batching"]["diverged"])
+    if counts["diverged"] or counts["error"] or alone_errors or effects_diverged or (drain["checked"] and not drained):
         verdict = "FAIL"
     else:
         verdict = "PASS" if load["proven"] or spread_from == "repro" else "INCONCLUSIVE"  # a repro is as found
@@ -141,13 +144,16 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         "model_fingerprint": cases.golden.fingerprint if cases.golden else None,
         "server": {"model": served["id"], "fingerprint": served.get("fingerprint")},
         "settings": {"concurrency": settings.concurrency, "seed": settings.seed, "cancel_rate": settings.cancel_rate,
-                     "tolerance": tolerance, "tolerance_from": tolerance_from(settings),
-                     "margin_tolerance": settings.margin_tolerance, "api": settings.api, "arrival_spread_s": spread,
+                     "tolerance": tolerance, "tolerance_from": tolerance_from(settings, bounds),
+                     "margin_tolerance": settings.margin_tolerance, "precision": settings.precision,
+                     "batch_invariant": settings.batch_invariant, "api": settings.api, "arrival_spread_s": spread,
                      "arrival_spread_from": spread_from, "alone_latency_s": alone_latency,
                      "repeat": settings.repeat, "timeout": settings.timeout},
         "dialect": dialect.report(),
         "margins": None if margins is None else {"model": str(margins.model.path), "fingerprint": margins.fingerprint,
                                                  "measured": margins.measured},
+        "bounds": bounds.report(),
+        "effects": effects,
         "alone": alone_records,
         "requests": requests,
         "overlap": load,
@@ -174,7 +180,13 @@ def abort_accounting(requests: list[dict], counted: int, baseline) -> dict:
     return {"counted": counted, "must": must, "may": may, "ok": ok, "note": note}
 
 
-def tolerance_from(settings: Settings) -> str:
+def tolerance_from(settings: Settings, bounds: Tolerances) -> str:
+    """What set the tolerance the records' `verdict` applied (FORMATS.md)."""
     if settings.margin_tolerance is not None:
         return "margin_tolerance"
-    return "golden noise" if settings.baseline == "golden" else "bit-identical"
+    if settings.baseline == "golden":
+        return f"{bounds.precision} bound from the {'golden file' if bounds.bound_from == 'golden' else 'local model'}"
+    return {"batch_invariant": "bit-identical (batch invariant)", "no bound": "bit-identical"}.get(
+        bounds.batching_from, f"{bounds.precision} bound from the "
+                              f"{'golden file' if bounds.bound_from == 'golden' else 'local model'}")
+

@@ -163,3 +163,20 @@ def dialect_notes(dialect: dict | None) -> list[str]:
     for api, error in dialect.get("probe_errors", {}).items():
         notes.append(f"note: {api}: dialect probe failed ({error})")
     return notes
+
+
+def unstripped(golden_text: str, got_text: str) -> tuple[str, list[str]]:
+    """A server may send text that is not what its own tokens decode to: HF `transformers serve` parses
+    a chat answer through the model's response template, which strips the whitespace at its ends.
+    Where the received text has no whitespace of its own at an end where the golden answer has some,
+    it is given back, and the comparison goes on from there: (text to compare, the ends restored).
+    Compared by text alone, which tokens carried that whitespace is not known; the batching effect
+    (loaded vs alone, both stripped alike) still sees every change batching makes."""
+    restored = []
+    lead = golden_text[:len(golden_text) - len(golden_text.lstrip())]
+    if lead and got_text and not got_text[0].isspace():
+        got_text, restored = lead + got_text, ["leading"]
+    trail = golden_text[len(golden_text.rstrip()):]
+    if trail and golden_text.strip() and got_text == golden_text[:-len(trail)]:
+        got_text, restored = got_text + trail, restored + ["trailing"]
+    return got_text, restored

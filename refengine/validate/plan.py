@@ -25,6 +25,8 @@ class Settings:
     repeat: int = 1
     timeout: float = 600.0
     baseline: str = "golden"
+    precision: str = "auto"               # the server's: f32 | bf16 | fp16 | auto (validate.bounds)
+    batch_invariant: bool = False         # hold loaded answers to their alone answers bit for bit
 
     def __post_init__(self):
         if self.concurrency < 1:

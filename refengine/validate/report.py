@@ -60,12 +60,19 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['id']:<{width}}  {r['api']:<11}  {'yes' if r['streamed'] else 'no':<6}  "
                      f"{r['sent_s']:>5.2f}s  {r['latency_s']:>6.2f}s  {r['overlapped_with']:>4}  {r['verdict']:<9}  "
                      f"{_detail(r)}")
+    bounds, local = report.get("bounds"), bool(report.get("margins"))
     for r in report["requests"]:
         if r["verdict"] in ("explained", "diverged"):
-            lines.append(describe_record(r, s["tolerance"], report["baseline"], bool(report.get("margins"))))
+            lines.append(describe_record(r, s["tolerance"], report["baseline"], local))
+        batching = r.get("batching", {})
+        if batching.get("verdict") in ("explained", "diverged"):
+            lines.append("batching (loaded vs alone): " + describe_record(
+                {**batching, "id": r["id"]}, bounds["batching"], "serial", local))
     for r in report["alone"]:
         if r["verdict"] == "error":
             lines.append(f"alone {r['id']}: error: {r['error']}")
+        elif r["verdict"] in ("explained", "diverged"):
+            lines.append("precision (alone vs golden): " + describe_record(r, s["tolerance"], "golden", local))
     against = (f"the golden file {report['golden']}" if report["baseline"] == "golden"
                else f"its own alone answers to {report['source']}")
     lines.append(
@@ -77,6 +84,10 @@ def format_report(report: dict) -> str:
     lines.append(f"load: arrivals over {s['arrival_spread_s']:.3g}s ({spread_from}); at most {load['max_in_flight']} "
                  f"in flight; {load['overlapped']} of {load['compared']} compared requests overlapped another"
                  + (" (a replayed repro needs no overlap)" if s["arrival_spread_from"] == "repro" else ""))
+    if bounds:
+        lines.append(format_bounds(bounds))
+    if report.get("effects"):
+        lines += format_effects(report["effects"])
     server_fingerprint = report["server"]["fingerprint"]
     if server_fingerprint and report["model_fingerprint"] and server_fingerprint != report["model_fingerprint"]:
         lines.append(f"note: the server reports model {server_fingerprint}, the golden file was made from "
@@ -89,6 +100,10 @@ def format_report(report: dict) -> str:
                          f"{margins['fingerprint']}: its margins are another model's unless the server's is a "
                          f"conversion of it")
     lines += dialect_notes(report.get("dialect"))
+    stripped = [r["id"] for r in report["alone"] + report["requests"] if r.get("whitespace_restored")]
+    if stripped:
+        lines.append(f"note: {len(stripped)} answers came without the whitespace their golden answer has at an end "
+                     f"(a server that strips its text); compared with it given back (validate.dialect.unstripped)")
     if report.get("precision"):
         lines += format_precision(report["precision"])
     lines.append(f"drain: {report['drain']['note']}")
@@ -99,3 +114,29 @@ def format_report(report: dict) -> str:
         lines.append(inconclusive_advice(report))
     lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS) + f" -> {summary['verdict']}")
     return "\n".join(lines)
+
+
+BOUND_SOURCES = {"golden": "the golden file's header", "model": "the local model, measured now"}
+
+
+def format_bounds(b: dict) -> str:
+    """Where the run's two tolerances came from (validate.bounds)."""
+    if b["precision_tolerance"] is None:
+        precision = f"precision {b['precision']} ({b['precision_from']}): no bound known (a golden file or --model gives one)"
+    elif b["bound"] is None:
+        precision = f"precision {b['precision']} ({b['precision_from']}): tolerance {b['precision_tolerance']:.4g} (given)"
+    else:
+        precision = (f"precision {b['precision']} ({b['precision_from']}): bound {b['bound']:.4g} from "
+                     f"{BOUND_SOURCES[b['bound_from']]} (refengine's reference rounded to {b['precision']} vs "
+                     f"float64), tolerance {b['precision_tolerance']:.4g} = bound x {b['safety_factor']}")
+    batching = {"precision": "the precision tolerance", "batch_invariant": "bit-identical: the engine claims batch "
+                "invariance", "margin_tolerance": "given", "no bound": "bit-identical: no precision bound known"}
+    return f"{precision}; batching tolerance {b['batching']:.4g} ({batching[b['batching_from']]})"
+
+
+def format_effects(effects: dict) -> list[str]:
+    """The two effects apart: what the device's precision does, what batching does."""
+    def counts(c):
+        return ", ".join(f"{c[k]} {k}" for k in ("match", "explained", "diverged"))
+    return [f"precision effect (each answer alone vs the golden file): {counts(effects['precision'])}",
+            f"batching effect (each loaded answer vs its alone answer): {counts(effects['batching'])}"]

@@ -38,7 +38,8 @@ def repro_data(report: dict) -> dict:
     s = report["settings"]
     return repro(report["requests"], found_by="validate", url=report["url"], server=report["server"],
                  baseline=report["baseline"], source=report["source"], fingerprint=report["model_fingerprint"],
-                 settings={k: s[k] for k in ("concurrency", "margin_tolerance", "tolerance", "api", "timeout")})
+                 settings={k: s[k] for k in ("concurrency", "margin_tolerance", "tolerance", "api", "timeout",
+                                          "precision", "batch_invariant")})
 
 
 def write_repro(path: str | Path, data: dict) -> Path:

@@ -1,0 +1,188 @@
+"""Precision and batching apart (validate.bounds, validate.effects, check.rounded): the bound a 16-bit
+server is held to comes from refengine's reference rounded as such an engine rounds, never from the
+server; against a golden file each case is sent alone first (the precision effect) and every loaded
+answer is held to its alone answer (the batching effect). Servers are real `refengine serve` on
+127.0.0.1 serving the embedded default model; assertions are on report fields, never on wording."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from refengine.check.calibrate import load_calibration
+from refengine.check.golden import read_golden
+from refengine.check.margin_rule import SAFETY_FACTOR
+from refengine.check.rounded import BOUND_KEYS, forward, precision_noise, rounded_weights, rounding
+from refengine.data import shipped
+from refengine.engine import EngineConfig
+from refengine.errors import RefengineError
+from refengine.model import load_model
+from refengine.model.tiny import make_tiny
+from refengine.reference import prompt_logits
+from refengine.serve import OpenAIServer
+from refengine.validate.board import Cases, validate
+from refengine.validate.bounds import tolerances
+from refengine.validate.dialect import unstripped
+from refengine.validate.effects import plot_effects
+from refengine.validate.junit import junit
+from refengine.validate.plan import Settings
+
+GOLDEN = ("golden", "tiny-chat.jsonl")
+CORRUPTS_ALONE = "kv-write-block-boundary-off-by-one"  # every answer past one KV block, alone or batched
+CORRUPTS_JOINS = "position-off-by-one-on-join"          # only a request that joins a running batch
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return read_golden(shipped(*GOLDEN))
+
+
+def run(model, golden, fault=None, **settings) -> dict:
+    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
+    server.start()
+    try:
+        return validate(server.url, Cases.of_golden(golden), Settings(concurrency=4, seed=1, **settings))
+    finally:
+        server.close()
+
+
+def test_the_rounded_forward_is_off_float64_by_what_torch_in_that_precision_is(tiny_model_dir, tiny_model):
+    """The bound is a model of a 16-bit engine: torch's own bf16 / fp16 forward of the same weights must
+    deviate from float64 by the same order (a rounding left out, or rounding to the wrong type, moves
+    it by orders of magnitude: float32 is 1e4 times closer)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ids = list(range(3, 40, 3))
+    want = prompt_logits(tiny_model, ids)                                              # [seq, vocab] float64
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype, attn_implementation="eager")
+        with torch.no_grad():
+            theirs = np.abs(hf(torch.tensor([ids])).logits[0].double().numpy() - want).max()
+        r = rounding(precision)
+        ours = np.abs(forward(rounded_weights(tiny_model.weights(np.float32), r), tiny_model.config, ids, r)
+                      - want).max()
+        assert 1 / 3 < ours / theirs < 3, (precision, ours, theirs)
+    r = rounding("f32")
+    f32 = np.abs(forward(rounded_weights(tiny_model.weights(np.float32), r), tiny_model.config, ids, r) - want).max()
+    assert f32 < ours / 1e3
+
+
+def test_committed_16_bit_bounds_are_the_rounded_reference_and_ordered_by_precision(tiny_model, golden):
+    stored = load_calibration(shipped("golden", "tiny-random.calibration.json"))
+    for precision in ("bf16", "fp16"):
+        assert precision_noise(tiny_model, precision)["max"] == pytest.approx(stored[BOUND_KEYS[precision]], rel=1e-3)
+    for path in shipped("golden").glob("*.calibration.json"):
+        c = load_calibration(path)
+        assert c["f32_vs_f64"] < c["fp16_vs_f64"] < c["bf16_vs_f64"], path.name
+    assert golden.header["noise"]["bf16_vs_f64"] == load_calibration(
+        shipped("golden", "tiny-chat.calibration.json"))["bf16_vs_f64"]
+
+
+def test_tolerances_come_from_the_golden_header_or_the_local_model_never_the_server(golden, tmp_path):
+    noise = golden.header["noise"]
+    t = tolerances("bf16", None, False, golden)
+    assert (t.bound, t.bound_from, t.precision_from) == (noise["bf16_vs_f64"], "golden", "settings")
+    assert t.precision_tolerance == t.batching == noise["bf16_vs_f64"] * SAFETY_FACTOR
+    assert tolerances("bf16", None, True, golden).batching == 0.0
+    assert tolerances("bf16", 0.5, False, golden).batching == tolerances("bf16", 0.5, False, golden).precision_tolerance == 0.5
+    none = tolerances("f32", None, False)
+    assert (none.bound, none.precision_tolerance, none.batching, none.batching_from) == (None, None, 0.0, "no bound")
+    bf16_model = load_model(make_tiny(tmp_path / "bf16", dtype="BF16"))
+    auto = tolerances("auto", None, False, model=bf16_model)
+    assert (auto.precision, auto.precision_from, auto.bound_from) == ("bf16", "the model's config.json", "model")
+    assert auto.bound == precision_noise(bf16_model, "bf16")["max"]
+    old = tmp_path / "old.jsonl"  # a golden file made before 16-bit bounds
+    lines = shipped(*GOLDEN).read_text(encoding="utf-8").split("\n")
+    header = json.loads(lines[0])
+    del header["noise"]["bf16_vs_f64"]
+    old.write_text("\n".join([json.dumps(header)] + lines[1:]), encoding="utf-8")
+    with pytest.raises(RefengineError, match="bf16_vs_f64"):
+        tolerances("bf16", None, False, read_golden(old))
+    assert tolerances("bf16", None, False, read_golden(old), bf16_model).bound_from == "model"
+
+
+def test_a_clean_server_passes_at_every_precision_with_both_effects_matching(default_model, golden):
+    for precision in ("f32", "bf16"):
+        report = run(default_model, golden, precision=precision)
+        assert report["summary"]["verdict"] == "PASS", (precision, report["summary"])
+        assert report["bounds"]["precision"] == precision and report["bounds"]["bound_from"] == "golden"
+        assert report["settings"]["tolerance"] == golden.header["noise"][BOUND_KEYS[precision]] * SAFETY_FACTOR
+        assert report["effects"]["precision"]["diverged"] == report["effects"]["batching"]["diverged"] == 0
+        assert len(report["alone"]) == len(golden.cases)  # every case alone, once
+        assert report["effects"]["precision"]["match"] == len(golden.cases)
+        compared = [r for r in report["requests"] if r["verdict"] in ("match", "explained", "diverged")]
+        assert report["effects"]["batching"]["match"] == len(compared) > 0
+
+
+def test_a_batch_invariant_claim_holds_loaded_answers_to_zero(default_model, golden):
+    report = run(default_model, golden, precision="bf16", batch_invariant=True)
+    assert report["bounds"]["batching"] == 0.0 and report["bounds"]["batching_from"] == "batch_invariant"
+    assert report["summary"]["verdict"] == "PASS"
+
+
+def test_a_bug_in_every_answer_is_a_precision_effect_far_above_the_bf16_bound(default_model, golden):
+    report = run(default_model, golden, CORRUPTS_ALONE, precision="bf16")
+    assert report["summary"]["verdict"] == "FAIL"
+    tolerance = report["bounds"]["precision_tolerance"]
+    diverged = [r for r in report["alone"] if r["verdict"] == "diverged"]
+    assert diverged and report["effects"]["precision"]["diverged"] == len(diverged)
+    assert all(r["margin"] > 4 * tolerance and r["margin_from"] == "golden" for r in diverged)
+
+
+def test_a_bug_only_under_batching_is_a_batching_effect(default_model, golden):
+    report = run(default_model, golden, CORRUPTS_JOINS, precision="f32", cancel_rate=0.0, repeat=2)
+    assert report["summary"]["verdict"] == "FAIL"
+    assert report["effects"]["precision"]["diverged"] == 0  # alone, the fault never fires
+    bad = [r for r in report["requests"] if r["batching"]["verdict"] == "diverged"]
+    assert bad and report["effects"]["batching"]["diverged"] == len(bad)
+    assert all(r["batching"]["margin"] is not None and r["batching"]["margin"] > report["bounds"]["batching"]
+               for r in bad)
+
+
+def test_junit_xml_has_a_testcase_per_request_and_a_failure_per_divergence(default_model, golden):
+    report = run(default_model, golden, CORRUPTS_ALONE, precision="bf16")
+    suite = ET.fromstring(ET.tostring(junit(report).getroot()))
+    cases = suite.findall("testcase")
+    assert len(cases) == len(report["alone"]) + len(report["requests"]) + 1
+    failed = {(c.get("classname").split(".")[0], c.get("name")) for c in cases if c.find("failure") is not None}
+    want = {("alone", r["id"]) for r in report["alone"] if r["verdict"] in ("diverged", "error")}
+    want |= {("loaded", r["id"]) for r in report["requests"]
+             if r["verdict"] in ("diverged", "error") or r.get("batching", {}).get("verdict") in ("diverged", "error")}
+    assert failed == want and want
+    assert int(suite.get("skipped")) == sum(r["verdict"] == "cancelled" for r in report["requests"])
+    assert int(suite.get("tests")) == len(cases)
+
+
+def test_the_effects_plot_writes_a_png(default_model, golden, tmp_path):
+    pytest.importorskip("matplotlib")
+    report = run(default_model, golden, CORRUPTS_ALONE, precision="bf16")
+    assert plot_effects(report, tmp_path / "effects.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("golden_text, got, want, restored", [
+    (" jumps over.", "jumps over.", " jumps over.", ["leading"]),
+    ("Blue.\n", "Blue.", "Blue.\n", ["trailing"]),
+    (" Blue.\n", "Blue.", " Blue.\n", ["leading", "trailing"]),
+    (" Blue.", " Red.", " Red.", []),       # whitespace of its own: nothing given back
+    ("Blue.", "Blue. And", "Blue. And", []),  # nothing stripped where the golden text has no whitespace
+    ("Blue. ", "Red.", "Red.", []),          # trailing given back only to the golden text itself
+])
+def test_whitespace_a_server_stripped_is_given_back_only_where_it_has_none(golden_text, got, want, restored):
+    assert unstripped(golden_text, got) == (want, restored)
+
+
+def test_a_stripped_text_only_answer_matches_and_says_so(golden):
+    from refengine.validate.baseline import GoldenBaseline
+    from refengine.validate.plan import Planned
+    from refengine.validate.wire import Completion
+    case = next(c for c in golden.cases if c.text.startswith(" "))
+    judged = GoldenBaseline(golden, golden.tolerance).judge(
+        Planned("x", case, "completions", 0.0, False, None),
+        Completion(case.text.lstrip(), None, None, case.finish_reason, False))
+    assert judged["verdict"] == "match" and judged["whitespace_restored"] == ["leading"]
+    changed = GoldenBaseline(golden, golden.tolerance).judge(
+        Planned("x", case, "completions", 0.0, False, None),
+        Completion("X" + case.text.lstrip()[1:], None, None, case.finish_reason, False))
+    assert changed["verdict"] == "diverged"
