@@ -1,7 +1,8 @@
 """Board validation: send a prompts or golden file's cases to any OpenAI-compatible server the way
 users do (concurrently, arriving at random, some hanging up mid-stream, streamed and whole answers
 mixed) and judge every completed answer against a baseline (validate.baseline): the float64 golden
-tokens, or the same server's answers sent alone.
+tokens, or the same server's answers sent alone. Every case is sent alone first; against a golden
+file those answers are judged too, so the report separates precision from batching (validate.effects).
 
 A run PASSes only under proven load (validate.load.overlap): unless given, the arrival spread comes
 from the server's measured alone latency L, as N * L / (2 * concurrency) for N requests: arrivals
@@ -184,9 +185,6 @@ def tolerance_from(settings: Settings, bounds: Tolerances) -> str:
     """What set the tolerance the records' `verdict` applied (FORMATS.md)."""
     if settings.margin_tolerance is not None:
         return "margin_tolerance"
-    if settings.baseline == "golden":
-        return f"{bounds.precision} bound from the {'golden file' if bounds.bound_from == 'golden' else 'local model'}"
-    return {"batch_invariant": "bit-identical (batch invariant)", "no bound": "bit-identical"}.get(
-        bounds.batching_from, f"{bounds.precision} bound from the "
-                              f"{'golden file' if bounds.bound_from == 'golden' else 'local model'}")
-
+    if settings.baseline == "serial" and bounds.batching_from != "precision":
+        return "bit-identical (batch invariant)" if bounds.batching_from == "batch_invariant" else "bit-identical"
+    return f"{bounds.precision} bound from the {'golden file' if bounds.bound_from == 'golden' else 'local model'}"
