@@ -1,19 +1,21 @@
 """Run every example the documentation shows and write what it printed and drew:
 
-    python docs/regenerate.py          # (with refengine installed: pip install -e '.[test,plot,docs]')
+    python docs/regenerate.py          # (with refengine installed: pip install -e '.[test,plot,docs,parity]')
 
 - docs/examples/*.txt: each command's real output, included into the pages (pymdownx.snippets) so a
   page never shows output refengine no longer prints; absolute paths are shortened to `...`;
 - docs/images/*.png: the timeline of the shipped schedule, clean and with a batching bug
-  (`replay --plot`), validate's precision histogram of a bf16 server (`validate --plot`), and the
-  decode plot of every committed `bench --json` run that recorded its roofline (bench.plot);
+  (`replay --plot`), validate's precision histogram of a bf16 server (`validate --plot`), the
+  divergence margins of HF `transformers serve` in bf16 against the bf16 bound (`validate
+  --plot-margins`), and the decode plot of every committed `bench --json` run that recorded its roofline (bench.plot);
 - README.md: between `<!-- example NAME -->` and `<!-- /example -->` (`head=N`: its first N lines, then
   `...` and the last), the same outputs as a code block (GitHub renders no includes);
 - docs/examples/manifest.json: the default model, the shipped schedule and the refengine version
   the examples were made with (tests/test_docs.py fails when they no longer match: regenerate).
 
 Everything runs in a scratch folder against `refengine serve` on 127.0.0.1 (clean, with a batching
-fault, and bf16 copies of the models): a few minutes on two cores. Times, ports and ids in the
+fault, and bf16 copies of the models) and `transformers serve` in bf16 (the parity extra): a few
+minutes on two cores. Times, ports and ids in the
 outputs are those of the run.
 """
 from __future__ import annotations
@@ -24,9 +26,12 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -209,7 +214,44 @@ def manifest() -> dict:
             "schedule_sha256": hashlib.sha256(shipped("examples", "join_leave.json").read_bytes()).hexdigest()}
 
 
-STAGES = {"in-process": in_process, "servers": against_servers, "bench plots": bench_plots}
+def transformers_bf16(work: Work) -> None:
+    """A bf16 board as users meet one: HF `transformers serve --continuous-batching --dtype bfloat16` on
+    the CPU serving the random-weight tiny model (no token ids, no logprobs), judged with the bf16 bound
+    and margins measured by the float64 reference on the same folder (needs the parity extra)."""
+    model, port = work.root / "models" / "tiny-random", free_port()
+    server = subprocess.Popen([sys.executable, "-c", "from transformers.cli.transformers import main; main()",
+                               "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                               "--device", "cpu", "--dtype", "bfloat16", str(model)],
+                              cwd=work.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work.servers.append(server)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, server)
+    work.run(["refengine", "validate", "--url", url, "--golden", "refengine/data/golden/tiny-random.jsonl",
+              "--precision", "bf16", "--model", "models/tiny-random", "--concurrency", "8", "--seed", "1",
+              "--report", "report-transformers-bf16.json", "--repro", "repro-transformers-bf16.json",
+              "--plot-margins", str(IMAGES / "validate-margins-bf16.png")], "validate-transformers-bf16")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, deadline_s: float = 300) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url}: transformers serve did not come up")
+
+
+STAGES = {"in-process": in_process, "servers": against_servers, "transformers serve bf16": transformers_bf16,
+          "bench plots": bench_plots}
 
 
 def main() -> int:

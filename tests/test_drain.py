@@ -138,10 +138,10 @@ def test_refengine_counts_finishes_by_reason_and_a_leak_is_caught(tiny_model, fa
         hung_up = threading.Event()
         hung_up.set()
         stream_for_a_while(server.url, hung_up)  # one token, then the client leaves: an abort
-        ok, last, note = wait_drained(endpoint, baseline, deadline_s=2 if fault else DEADLINE_S, poll_s=0.02)
+        ok, last, note = wait_drained(endpoint, baseline, deadline_s=DEADLINE_S, poll_s=0.02, idle_s=0.5)
         assert ok == (fault is None), note
-        if fault:  # the aborted request's blocks never come back
-            assert last.running == last.waiting == 0 and "KV use" in note and "started at 0.0000%" in note, note
+        if fault:  # the aborted request's blocks never come back: an idle engine holds them, found long before the deadline
+            assert last.running == last.waiting == 0 and last.kv_usage > baseline.kv_usage == 0, note
         status, samples = agreeing_scrape(endpoint)
         assert status["requests_finished"] == status["requests_finished_length"] == 2
         assert value(samples, "vllm:request_success_total", finished_reason="length") == 2
@@ -276,15 +276,16 @@ def test_validate_fails_a_server_that_does_not_drain_after_hang_ups(tiny_model, 
                           Settings(concurrency=4, cancel_rate=0.5, seed=0))
     finally:
         server.close()
-    assert report["summary"]["cancelled"] > 0 and report["drain"]["checked"] and report["drain"]["aborts"]["must"]
+    aborts = report["drain"]["aborts"]
+    assert report["summary"]["cancelled"] > 0 and report["drain"]["checked"] and aborts["must"] + aborts["unproven"]
     assert report["drain"]["drained"] is (fault is None)
     assert report["summary"]["passed"] is (fault is None), report["drain"]
 
 
 def test_refengine_reports_slots_aborts_and_steps_and_drain_reads_them(tiny_model):
-    """validate.drain reads in_flight, slots_used, requests_aborted and steps from /admin/api/status
-    and /metrics alike, and a drain bounded in engine steps waits for the hang-up's abort."""
-    from refengine.validate.drain import wait_drained_within_steps
+    """validate.drain reads in_flight, slots_used, requests_aborted, ended requests and steps from
+    /admin/api/status and /metrics alike; a busy engine is not idle, so the drain waits it out, and
+    after the hang-up it drains with the abort counted."""
     server = OpenAIServer(tiny_model, LOAD_ENGINE, host="127.0.0.1", max_waiting=3)
     server.start()
     endpoint = Endpoint(server.url, DEADLINE_S)
@@ -292,17 +293,20 @@ def test_refengine_reports_slots_aborts_and_steps_and_drain_reads_them(tiny_mode
     client = threading.Thread(target=stream_for_a_while, args=(server.url, hold))
     try:
         baseline = server_state(endpoint)
-        assert (baseline.in_flight, baseline.slots_used, baseline.aborted) == (0, 0, 0) and baseline.steps == 0
+        assert (baseline.in_flight, baseline.slots_used, baseline.aborted, baseline.ended) == (0, 0, 0, 0)
+        assert baseline.steps == 0
         client.start()
         wait_until(lambda: server_state(endpoint).steps > 0, "the load to run")
         for path in ("/admin/api/status", "/metrics"):
             state = read_source(endpoint, path)
-            assert (state.in_flight, state.slots_used, state.aborted) == (1, 1, 0) and state.steps > 0, state
-        ok, last, note = wait_drained_within_steps(endpoint, baseline, max_steps=5, idle_s=DEADLINE_S)
-        assert not ok and "1 in flight (started at 0), 1 admission slots taken (started at 0)" in note, note
+            assert (state.in_flight, state.slots_used, state.aborted, state.ended) == (1, 1, 0, 0), state
+            assert state.steps > 0
+        ok, last, note = wait_drained(endpoint, baseline, deadline_s=0.3, poll_s=0.01, idle_s=0.05)
+        assert not ok and (last.in_flight, last.slots_used, last.running) == (1, 1, 1), note
         hold.set()  # the client hangs up
-        ok, last, note = wait_drained_within_steps(endpoint, baseline, max_steps=32, idle_s=1.0)
-        assert ok and (last.in_flight, last.slots_used, last.aborted) == (0, 0, 1), note
+        ok, last, note = wait_drained(endpoint, baseline, deadline_s=DEADLINE_S, poll_s=0.01, idle_s=1.0)
+        assert ok and (last.in_flight, last.slots_used, last.aborted, last.ended) == (0, 0, 1, 1), note
+        assert read_source(endpoint, "/metrics").ended == 1
     finally:
         hold.set()
         client.join(DEADLINE_S)
@@ -315,6 +319,7 @@ def test_drain_reads_vllm_aborts_and_engine_steps():
     try:
         state = server_state(server.endpoint)
         assert (state.aborted, state.steps, state.in_flight, state.slots_used) == (3, 40, None, None)
+        assert state.ended == 7 + 3  # every finished_reason, the aborts among them
     finally:
         server.shutdown()
         server.server_close()

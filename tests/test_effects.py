@@ -25,7 +25,7 @@ from refengine.serve import OpenAIServer
 from refengine.validate.board import Cases, validate
 from refengine.validate.bounds import tolerances
 from refengine.validate.dialect import unstripped
-from refengine.validate.effects import plot_effects
+from refengine.validate.effects import divergences, effect_counts, plot_effects
 from refengine.validate.junit import junit
 from refengine.validate.plan import Settings
 
@@ -141,8 +141,13 @@ def test_a_bug_only_under_batching_is_a_batching_effect(default_model, golden):
                for r in bad)
 
 
-def test_junit_xml_has_a_testcase_per_request_and_a_failure_per_divergence(default_model, golden):
-    report = run(default_model, golden, CORRUPTS_ALONE, precision="bf16")
+@pytest.mark.parametrize("fault, settings, effect", [
+    (CORRUPTS_ALONE, {"precision": "bf16"}, "precision"),
+    (CORRUPTS_JOINS, {"precision": "f32", "cancel_rate": 0.0, "repeat": 2}, "batching")])
+def test_junit_xml_has_a_testcase_per_request_and_a_failure_per_divergence(default_model, golden, fault, settings,
+                                                                             effect):
+    report = run(default_model, golden, fault, **settings)
+    assert report["effects"][effect]["diverged"] > 0
     suite = ET.fromstring(ET.tostring(junit(report).getroot()))
     cases = suite.findall("testcase")
     assert len(cases) == len(report["alone"]) + len(report["requests"]) + 1
@@ -151,8 +156,49 @@ def test_junit_xml_has_a_testcase_per_request_and_a_failure_per_divergence(defau
     want |= {("loaded", r["id"]) for r in report["requests"]
              if r["verdict"] in ("diverged", "error") or r.get("batching", {}).get("verdict") in ("diverged", "error")}
     assert failed == want and want
+    bad = ("diverged", "error")  # a loaded answer may fail twice: against golden and against its alone answer
+    failures = sum(r["verdict"] in bad for r in report["alone"] + report["requests"])
+    failures += sum(r.get("batching", {}).get("verdict") in bad for r in report["requests"])
+    assert sum(len(c.findall("failure")) for c in cases) == int(suite.get("failures")) == failures
     assert int(suite.get("skipped")) == sum(r["verdict"] == "cancelled" for r in report["requests"])
     assert int(suite.get("tests")) == len(cases)
+
+
+def test_junit_fails_the_drain_testcase_for_a_leak_or_a_hang_up_not_aborted(default_model, golden):
+    report = run(default_model, golden, precision="f32")
+    assert report["summary"]["verdict"] == "PASS"
+
+    def drain_failure(changed: dict):
+        [drain] = [c for c in ET.fromstring(ET.tostring(junit(changed).getroot())).findall("testcase")
+                   if (c.get("classname"), c.get("name")) == ("server", "drain")]
+        failure = drain.find("failure")
+        return None if failure is None else failure.get("message")
+
+    accounting = {"counted": 0, "must": ["r"], "unproven": [], "may": 1, "ok": False, "note": "missing abort"}
+    alone_ok = {**accounting, "ok": True, "note": "alone fine", "id": "x"}
+    drain = {"checked": True, "drained": True, "note": "drained"}
+    assert drain_failure({**report, "drain": drain}) is None
+    assert drain_failure({**report, "drain": {**drain, "checked": False, "drained": False}}) is None
+    assert drain_failure({**report, "drain": {**drain, "drained": False, "note": "leaked"}}) == "leaked"
+    assert drain_failure({**report, "drain": {**drain, "aborts": accounting}}) == "missing abort"
+    fine = {**accounting, "ok": True, "note": "fine"}
+    assert drain_failure({**report, "drain": {**drain, "aborts": {**fine, "alone": alone_ok}}}) is None
+    lone = {**alone_ok, "ok": False, "note": "alone missing"}
+    assert drain_failure({**report, "drain": {**drain, "aborts": {**fine, "alone": lone}}}) == "alone hang-up: alone missing"
+
+
+def test_divergences_are_the_explained_and_diverged_records_of_each_effect():
+    report = {"alone": [{"id": "a", "verdict": "match", "margin": None},
+                        {"id": "b", "verdict": "explained", "margin": 1e-5},
+                        {"id": "c", "verdict": "diverged", "margin": 0.7}],
+              "requests": [{"id": "r0", "verdict": "match", "batching": {"verdict": "match", "margin": None}},
+                           {"id": "r1", "verdict": "match", "batching": {"verdict": "explained", "margin": 2e-5}},
+                           {"id": "r2", "verdict": "diverged", "batching": {"verdict": "diverged", "margin": None}},
+                           {"id": "r3", "verdict": "cancelled"}]}
+    assert divergences(report) == {"precision": [("b", 1e-5), ("c", 0.7)], "batching": [("r1", 2e-5), ("r2", None)]}
+    assert effect_counts(report["requests"], report["alone"]) == {
+        "precision": {"match": 1, "explained": 1, "diverged": 1},
+        "batching": {"match": 1, "explained": 1, "diverged": 1}}
 
 
 def test_the_effects_plot_writes_a_png(default_model, golden, tmp_path):

@@ -109,6 +109,24 @@ def test_logprobs_shifted_as_by_a_float16_server_call_for_a_wider_tolerance(heal
     assert any("less precise than float32" in line for line in format_precision(p))
 
 
+def test_the_error_is_set_against_the_runs_own_16_bit_tolerance(healthy, golden):
+    records = copy.deepcopy(healthy["requests"])
+    for r in records:
+        if r.get("logprobs") is not None:
+            r["logprobs"] = [lp + SHIFT for lp in r["logprobs"]]
+    called_for = precision(records, golden)["tolerance_called_for"]
+
+    def row(run: str, tolerance: float | None) -> str | None:
+        p = precision(records, golden, run, tolerance)
+        assert (p["run_precision"], p["run_tolerance"]) == (run, tolerance)
+        return next((line.split(None, 3)[-1] for line in format_precision(p) if line.strip().startswith("vs ")
+                     and f"vs {run} tolerance" in line), None)
+
+    assert row("fp16", called_for * 2).startswith("within it")
+    assert row("fp16", called_for / 2).startswith("2x wider")
+    assert row("bf16", None) is None and row("f32", called_for / 2) is None  # float32: the golden row says it
+
+
 def test_a_bf16_server_calls_for_a_tolerance_that_explains_its_divergences(bf16, golden):
     """bf16 weights move logprobs by ~1e-2: far past the float32 bound, and the tolerance that error
     calls for covers the near-ties where its answers part from the float64 ones."""

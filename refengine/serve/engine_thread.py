@@ -8,11 +8,20 @@ a further one waits for a slot up to `queue_timeout` seconds and is then refused
 before the request is handed over and returned when it ends (finished, aborted or refused by the
 engine); `slots_used` on the status page counts the slots taken (Fault.SLOT_LEAK: a request that ends
 by an abort or an error keeps its slot).
+
+A hang-up is noticed by the engine thread itself: before every step it asks each live request whether
+its client has gone (the worker hands over a probe of its socket), and aborts those that have, so a
+hang-up is an abort within one engine step however long the worker thread waits for the CPU
+(Fault.HANG_UP_WITHOUT_ABORT: never). And a request's end is counted before its final event is handed
+to the worker: a client that has seen its answer end finds it counted on the status page
+(validate.aborts proves from those counts that a hung-up request had not finished; tests/test_invariants_http.py's
+loaded run guards both claims).
 """
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import Fault, LLMEngine
@@ -37,6 +46,7 @@ class RequestStream:
     events: queue.Queue = field(default_factory=queue.Queue)
     accepted: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the engine refused the request or is gone
+    client_gone: Callable[[], bool] | None = None  # the worker's probe of its connection; None: never gone
 
 
 class EngineThread(threading.Thread):
@@ -49,6 +59,7 @@ class EngineThread(threading.Thread):
         self.num_slots = engine.config.max_num_seqs + max_waiting
         self._slots = threading.BoundedSemaphore(self.num_slots)
         self._leak_slots = engine.config.injected is Fault.SLOT_LEAK  # the fault's code point: _end_slot
+        self.abort_on_hang_up = engine.config.injected is not Fault.HANG_UP_WITHOUT_ABORT  # _abort_hung_up, handler
         self._wakeup = threading.Condition()
         self._submitted: list[RequestStream] = []
         self._aborts: list[str] = []
@@ -62,8 +73,10 @@ class EngineThread(threading.Thread):
         self._publish()
 
     # --- worker-thread side -------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               client_gone: Callable[[], bool] | None = None) -> RequestStream:
         """Wait for a slot, hand the request to the engine thread, and return once it is accepted.
+        `client_gone`: whether the request's client has hung up (called from the engine thread).
         Raises Overloaded, RefengineError (the engine refused the request) or EngineStopped."""
         self._count("slot_waiters", +1)
         got_slot = self._slots.acquire(timeout=self.queue_timeout)
@@ -74,7 +87,7 @@ class EngineThread(threading.Thread):
             self._count("requests_rejected_busy", +1)
             raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
                              f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
-        stream = RequestStream(request_id, prompt_ids, params)
+        stream = RequestStream(request_id, prompt_ids, params, client_gone=client_gone)
         with self._wakeup:
             if self._stopping or self.failure:
                 self._release_slot()
@@ -165,11 +178,18 @@ class EngineThread(threading.Thread):
         for request_id in aborts:
             if request_id in self._streams:
                 self.engine.abort(request_id)
+        if self.abort_on_hang_up:
+            self._abort_hung_up()
         if self.engine.has_unfinished():
             self._dispatch(self.engine.step())
             self.engine.trace.clear()  # the per-step trace is for offline runs; a server would grow it forever
         self._publish()
         return True
+
+    def _abort_hung_up(self) -> None:
+        for request_id, stream in self._streams.items():
+            if stream.client_gone is not None and stream.client_gone():
+                self.engine.abort(request_id)  # False for one already aborted: its event is on its way
 
     def _admit(self, stream: RequestStream) -> None:
         try:
@@ -185,14 +205,14 @@ class EngineThread(threading.Thread):
     def _dispatch(self, events) -> None:
         for event in events:
             stream = self._streams[event.request_id]
-            stream.events.put(event)
-            if event.finish_reason is not None:
+            if event.finish_reason is not None:  # counted before the worker can send the end
                 del self._streams[event.request_id]
                 self.engine.release(event.request_id)
                 self._end_slot(ended_by_error_or_abort=event.finish_reason == "abort")
                 self._count("requests_aborted" if event.finish_reason == "abort" else "requests_finished", +1)
                 if event.finish_reason in ("stop", "length"):
                     self._count(f"requests_finished_{event.finish_reason}", +1)
+            stream.events.put(event)
 
     def _publish(self) -> None:
         status = self.engine.status()

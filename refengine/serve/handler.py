@@ -132,7 +132,8 @@ class Handler(BaseHTTPRequestHandler):
         s = self.server
         request = parse_request(kind, self._read_json(), s.model, s.served_name, s.context_tokens)
         try:
-            stream = s.engine_thread.submit(request.request_id, request.prompt_ids, request.params)
+            stream = s.engine_thread.submit(request.request_id, request.prompt_ids, request.params,
+                                            client_gone=self._client_gone)
         except Overloaded as e:
             raise ApiError(503, str(e), code="queue_timeout", type="server_overloaded") from None
         except RefengineError as e:
@@ -146,7 +147,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._send_whole(stream, builder)
         except BaseException as e:  # whatever ends this worker early frees the request (a finished one ignores it)
-            if s.abort_on_hang_up or not isinstance(e, (ClientGone, OSError)):  # Fault.HANG_UP_WITHOUT_ABORT
+            if s.engine_thread.abort_on_hang_up or not isinstance(e, (ClientGone, OSError)):
                 s.engine_thread.abort(request.request_id)
             self.close_connection = True
             if not isinstance(e, (ClientGone, OSError)):
@@ -199,12 +200,14 @@ class Handler(BaseHTTPRequestHandler):
                     return
 
     def _client_gone(self) -> bool:
-        """A closed peer makes the socket readable with nothing to read."""
+        """A closed peer makes the socket readable with nothing to read. Called by the engine thread
+        too (EngineThread._abort_hung_up), also once this worker has closed the socket: a closed
+        socket (descriptor -1, ValueError) is gone."""
         try:
             poller = select.poll()  # not select(): it fails on descriptors above 1023
             poller.register(self.connection, select.POLLIN)
             return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
+        except (OSError, ValueError):
             return True
 
     # --- writing ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
-from ..engine import EngineConfig, Fault, LLMEngine
+from ..engine import EngineConfig, LLMEngine
 from ..model import Model
 from .engine_thread import EngineThread
 from .handler import MAX_BODY_BYTES, Handler
@@ -31,9 +31,6 @@ class OpenAIServer(ThreadingHTTPServer):
         self.served_name = served_name or model.path.name
         self.max_body_bytes = max_body_bytes
         resolved = self.engine.config
-        # the serve layer's faults, resolved once with the engine's config: the handler aborts a request
-        # whose client hung up, except with Fault.HANG_UP_WITHOUT_ABORT (EngineThread reads Fault.SLOT_LEAK)
-        self.abort_on_hang_up = resolved.injected is not Fault.HANG_UP_WITHOUT_ABORT
         self.context_tokens = min(resolved.max_model_len, resolved.num_blocks * resolved.block_size)
         self.created = int(time.time())
         self.fingerprint = model.fingerprint

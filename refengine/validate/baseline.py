@@ -75,10 +75,19 @@ class GoldenBaseline:
         else:
             text, restored = unstripped(case.text, completion.text)
             verdict = judge_text(case, text, self.tolerance)
-        if verdict.kind == "match" and completion.finish_reason != case.finish_reason:
+        at_limit = verdict.kind == "match" and at_max_tokens(case, completion.finish_reason)
+        if verdict.kind == "match" and completion.finish_reason != case.finish_reason and not at_limit:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"golden {case.finish_reason!r}")
-        return record_fields(verdict, "golden") | ({"whitespace_restored": restored} if restored else {})
+        return record_fields(verdict, "golden") | ({"whitespace_restored": restored} if restored else {}) | \
+            ({"finish_reason_at_max_tokens": completion.finish_reason} if at_limit else {})
+
+
+def at_max_tokens(case, finish_reason: str | None) -> bool:
+    """Is `finish_reason` the other name of the golden finish? A golden answer that stopped (eos or a
+    stop id) on the last token max_tokens allows has both reasons; servers name it either way (refengine
+    and vLLM: stop; transformers serve: length)."""
+    return len(case.token_ids) == case.max_tokens and {finish_reason, case.finish_reason} == {"stop", "length"}
 
 
 def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:

@@ -9,10 +9,12 @@ from the server's measured alone latency L, as N * L / (2 * concurrency) for N r
 come twice as fast as `concurrency` servers working alone would finish them, so requests queue and
 join a running batch while others leave it. A replayed repro (validate.repro) is sent as it was
 found and needs no overlap. After the run the server must drain (validate.drain), and where it
-counts aborts, every hang-up with much of its answer to come must be one (abort_accounting).
+counts aborts, every hang-up it had to abort must be one (validate.aborts; the status is read
+throughout the run for it).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,20 +22,21 @@ from pathlib import Path
 
 from ..check.golden import Golden, PromptCase
 from ..errors import RefengineError
+from .aborts import ABORT_SLACK, abort_accounting
 from .baseline import GoldenBaseline, SerialBaseline, ThreeWay
 from .bounds import Tolerances, tolerances
 from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
+from .drain import StatusPoller, server_state, wait_drained
 from .effects import effect_counts
-from .drain import server_state, wait_drained
-from .load import VERDICTS, overlap, replay, tokens_to_come
+from .load import VERDICTS, overlap, replay
 from .margins import LocalMargins
 from .plan import Planned, Settings, plan, probe_bodies
 from .precision import precision
 
 __all__ = ["Cases", "served_model", "validate"]
-DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long a server may take to drain
-ABORT_SLACK = 32  # a hang-up this close to its answer's end may finish before the server notices
+DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long to wait for a server to settle
+STATUS_POLL_S = 0.02  # during the run: how often the status is read (validate.aborts)
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,18 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     serial = SerialBaseline(kept.answers, bounds.batching, failed, margins)
     baseline = serial if golden is None else ThreeWay(golden, serial, alone_records)
     alone_latency = statistics.median(r["latency_s"] for r in alone_records) if alone_records else None
+    lone = None if planned or not settings.cancel_rate or drain_baseline is None else \
+        lone_hang_up(endpoint, draft, served["id"], baseline, dialect, drain_baseline.path)
     if planned:
         spread, spread_from = max(p.arrival_s for p in planned), "repro"
     else:
         spread = arrival_spread(settings, len(draft), alone_latency)
         spread_from = "settings" if settings.arrival_spread is not None else "alone latency"
         planned = plan(cases.cases, settings, spread, cases.path)
-    start = time.monotonic()
-    requests = replay(endpoint, planned, served["id"], baseline, settings.concurrency, dialect)
+    poller = StatusPoller(endpoint, drain_baseline.path, STATUS_POLL_S) if drain_baseline is not None else None
+    with poller or contextlib.nullcontext():
+        start = time.monotonic()
+        requests = replay(endpoint, planned, served["id"], baseline, settings.concurrency, dialect, start)
     wall_s = round(time.monotonic() - start, 3)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
     effects = effect_counts(requests, alone_records) if golden is not None else None
@@ -130,8 +137,11 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
                  "kv_usage": state.kv_usage} if state is not None else {})}
     if state is not None and drain_baseline is not None and None not in (state.aborted, drain_baseline.aborted):
-        drain["aborts"] = abort_accounting(requests, state.aborted - drain_baseline.aborted, baseline)
-        drained = drained and drain["aborts"]["ok"]
+        drain["aborts"] = abort_accounting(requests, state.aborted - drain_baseline.aborted, baseline.expected_tokens,
+                                           start, poller.samples, poller.before)
+        if lone is not None:
+            drain["aborts"]["alone"] = lone
+        drained = drained and drain["aborts"]["ok"] and (lone is None or lone["ok"])
     load = overlap(requests)
     alone_errors = sum(r["verdict"] == "error" for r in alone_records)
     effects_diverged = effects is not None and (effects["precision"]["diverged"] or effects["batching"]["diverged"])
@@ -160,25 +170,34 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         "overlap": load,
         "drain": drain,
         # only against the golden file: a serial "match" says nothing of which steps agree with float64
-        "precision": precision(requests, cases.golden) if settings.baseline == "golden" else None,
+        "precision": precision(requests, cases.golden, bounds.precision, bounds.precision_tolerance)
+        if settings.baseline == "golden" else None,
         "summary": {"requests": len(requests), **counts, "alone_errors": alone_errors, "wall_s": wall_s,
                     "verdict": verdict, "passed": verdict == "PASS"},
     }
 
 
-def abort_accounting(requests: list[dict], counted: int, baseline) -> dict:
-    """A hang-up is an abort: every request that hung up with more than ABORT_SLACK tokens of its
-    baseline answer not yet sent must have been counted as aborted by the server (by the end of the
-    drain it would otherwise have finished), and no more requests than hung up or failed."""
-    def to_come(r):
-        return tokens_to_come(r, baseline.expected_tokens(r["case"], r["api"]))
+def lone_hang_up(endpoint: Endpoint, draft: list[Planned], served_name: str, baseline, dialect: Dialect,
+                 path: str) -> dict | None:
+    """The plan's longest baseline answer, streamed with nothing else in flight, hung up after its first
+    token: validate.aborts's accounting for it (no other request can blur the proof that it was still
+    running), with its `id`. None where no answer is long enough to be held to an abort, or the
+    server counts no aborts."""
+    def length(p: Planned) -> int:
+        return baseline.expected_tokens(p.case.id, p.api) or 0
 
-    must = [r["id"] for r in requests if r["verdict"] == "cancelled" and (to_come(r) or 0) > ABORT_SLACK]
-    may = sum(r["verdict"] in ("cancelled", "error") for r in requests)
-    ok = len(must) <= counted <= may
-    note = (f"{counted} aborts counted for {len(must)} hang-ups with more than {ABORT_SLACK} tokens unsent "
-            f"({may} requests hung up or failed)")
-    return {"counted": counted, "must": must, "may": may, "ok": ok, "note": note}
+    longest = max(draft, key=length)
+    if length(longest) <= ABORT_SLACK + 1:
+        return None
+    hang_up = Planned(f"{longest.case.id}@{longest.api} hung up alone", longest.case, longest.api, 0.0, True, 1)
+    with StatusPoller(endpoint, path, STATUS_POLL_S) as poller:
+        start = time.monotonic()
+        records = replay(endpoint, [hang_up], served_name, baseline, 1, dialect, start)
+    _, state, _ = wait_drained(endpoint, poller.before, DRAIN_DEADLINE_S, DRAIN_POLL_S)
+    if state is None or poller.before is None or None in (state.aborted, poller.before.aborted):
+        return None
+    return {"id": hang_up.id, **abort_accounting(records, state.aborted - poller.before.aborted,
+                                                 baseline.expected_tokens, start, poller.samples, poller.before)}
 
 
 def tolerance_from(settings: Settings, bounds: Tolerances) -> str:

@@ -1,8 +1,10 @@
 """Does a server drain after a run? Its state read from whichever status it exposes, then polled until
 nothing is running, nothing is waiting, the KV cache is back to the use it started from and, where the
 server reports them, the requests in flight and the admission slots taken are back to their start.
-Where the server counts its engine steps the wait can be bounded in steps (wait_drained_within_steps):
-freeing is then judged by the engine's own progress, not by a wall clock.
+Where the server counts its engine steps, an engine that has gone idle (nothing running or waiting, no
+step for `idle_s`) and still holds something holds it for good: not drained, without waiting out the
+deadline. How fast a server drains is never judged: the deadline only ends the wait for one that never
+settles.
 
 Sources, tried in this order (the first one the server has is used):
 - `/admin/api/status` (refengine, Kestrel-LLM): `running`, `waiting`, `kv_blocks_used`/`kv_blocks_free`;
@@ -13,9 +15,12 @@ Sources, tried in this order (the first one the server has is used):
 - `/slots` (llama.cpp): a JSON list of slots, busy when `is_processing` (or an older non-idle `state`).
 Besides, where reported: requests in flight and admission slots taken (refengine: `in_flight`,
 `slots_used`; `refengine_requests_in_flight`, `refengine_slots_used`), requests aborted (`requests_aborted`;
-`refengine_requests_aborted_total`, vLLM's `vllm:request_success_total{finished_reason="abort"}`) and
-engine steps (`steps`; `refengine_engine_steps_total`, vLLM's `vllm:iteration_tokens_total_count`: one
-observation per engine step).
+`refengine_requests_aborted_total`, vLLM's `vllm:request_success_total{finished_reason="abort"}`),
+requests ended by any reason (refengine: `requests_finished` + `requests_aborted`; every
+`vllm:request_success_total` sample plus `refengine_requests_aborted_total`) and engine steps (`steps`;
+`refengine_engine_steps_total`, vLLM's `vllm:iteration_tokens_total_count`: one observation per engine
+step). A StatusPoller reads the state throughout a run (validate.aborts: had a hung-up request finished
+after its hang-up?).
 A source the server does not have answers 4xx or 501 (llama.cpp without `--metrics` / `--slots`), or
 lacks the names above. llama.cpp keeps each idle slot's prompt in the KV cache, so there its KV use is
 reported but not required to fall back.
@@ -23,6 +28,8 @@ reported but not required to fall back.
 from __future__ import annotations
 
 import json
+import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,6 +53,12 @@ class State:
     slots_used: int | None = None   # admission slots taken; None: not reported
     aborted: int | None = None      # requests aborted since start (a counter); None: not reported
     steps: int | None = None        # engine steps since start (a counter); None: not reported
+    ended: int | None = None        # requests ended, finished or aborted (a counter); None: not reported
+
+    @property
+    def finished(self) -> int | None:
+        """Requests ended other than by an abort (a counter); None: not reported."""
+        return None if self.ended is None or self.aborted is None else self.ended - self.aborted
 
     @property
     def path(self) -> str:
@@ -99,13 +112,16 @@ def busy(state: State, baseline: State | None) -> list[str]:
 
 
 def wait_drained(endpoint: Endpoint, baseline_state: State | None, deadline_s: float = 30.0,
-                 poll_s: float = 0.05) -> tuple[bool, State | None, str]:
-    """Poll until nothing is running or waiting and KV use is back to `baseline_state`'s (read with the
-    same source; None: KV back to 0). (ok, last state read, note). A server with no status at all:
-    (False, None, NO_STATUS note) — not drained, but not shown to leak either: the caller decides."""
+                 poll_s: float = 0.05, idle_s: float | None = None) -> tuple[bool, State | None, str]:
+    """Poll until nothing is running or waiting and KV use (and in-flight requests and admission
+    slots, where reported) are back to `baseline_state`'s (read with the same source; None: KV back to
+    0). (ok, last state read, note). With `idle_s`, on a server that counts engine steps: an engine idle
+    that long (nothing running or waiting, no step) that still holds something is not drained, at once.
+    A server with no status at all: (False, None, NO_STATUS note) — not drained, but not shown to leak
+    either: the caller decides."""
     deadline = time.monotonic() + deadline_s
     path = baseline_state.path if baseline_state is not None else None
-    last, error = None, None
+    last, error, idle = None, None, Idle(idle_s)
     while True:
         try:
             state = read_source(endpoint, path) if path else server_state(endpoint)
@@ -121,6 +137,9 @@ def wait_drained(endpoint: Endpoint, baseline_state: State | None, deadline_s: f
             why = busy(state, baseline_state)
             if not why:
                 return True, state, f"drained: {state.describe()}"
+            if idle.for_good(state):
+                return False, state, (f"the engine is idle (no step for {idle_s:g} s, nothing running or waiting) "
+                                      f"and the server still has {', '.join(why)} ({state.describe()})")
         if time.monotonic() >= deadline:
             if last is None:
                 return False, None, f"no status within {deadline_s:g} s: {error or NO_STATUS}"
@@ -129,35 +148,62 @@ def wait_drained(endpoint: Endpoint, baseline_state: State | None, deadline_s: f
         time.sleep(poll_s)
 
 
-def wait_drained_within_steps(endpoint: Endpoint, baseline_state: State | None, max_steps: int,
-                              idle_s: float = 1.0, deadline_s: float = 30.0,
-                              poll_s: float = 0.01) -> tuple[bool, State | None, str]:
-    """wait_drained, bounded in engine steps: drained before the server has run `max_steps` steps more
-    than at the first poll. A server whose engine stays idle (nothing running or waiting, no step) for
-    `idle_s` without having drained holds what it holds for good: not drained. Where the source reports
-    no step counter, the wall-clock wait_drained (`deadline_s`). (ok, last state read, note)."""
-    first = read_source(endpoint, baseline_state.path) if baseline_state is not None else server_state(endpoint)
-    if first is None or first.steps is None:
-        return wait_drained(endpoint, baseline_state, deadline_s, poll_s)
-    deadline = time.monotonic() + deadline_s
-    state, idle_since, idle_steps = first, None, None
-    while True:
-        why = busy(state, baseline_state)
-        if not why:
-            return True, state, f"drained: {state.describe()}"
+class Idle:
+    """Has the engine been idle (nothing running or waiting, the step counter unchanged) for `idle_s`
+    of the polls it was shown? Never, for idle_s None or a source that counts no steps."""
+
+    def __init__(self, idle_s: float | None):
+        self.idle_s, self.since, self.steps = idle_s, None, None
+
+    def for_good(self, state: State) -> bool:
+        if self.idle_s is None or state.steps is None:
+            return False
         now = time.monotonic()
-        if state.steps - first.steps > max_steps:
-            return False, state, (f"{state.steps - first.steps} engine steps after the run the server still has "
-                                  f"{', '.join(why)} ({state.describe()})")
-        if state.running or state.waiting or state.steps != idle_steps:
-            idle_since, idle_steps = now, state.steps
-        elif now - idle_since >= idle_s:
-            return False, state, (f"the engine is idle ({state.steps - first.steps} steps after the run) and the "
-                                  f"server still has {', '.join(why)} ({state.describe()})")
-        if now >= deadline:
-            return False, state, f"{deadline_s:g} s after the run the server still has {', '.join(why)}"
-        time.sleep(poll_s)
-        state = read_source(endpoint, first.path) or state
+        if state.running or state.waiting or state.steps != self.steps:
+            self.since, self.steps = now, state.steps
+            return False
+        return now - self.since >= self.idle_s
+
+
+class StatusPoller:
+    """(monotonic time the read began, State) from one source every `poll_s` while a run goes on: what
+    the server had counted at each moment (validate.aborts). A context manager: `before` is read on
+    entering, before anything of the run is sent (None if that read failed), and a last sample on
+    leaving, at time math.inf: begun after everything of the run (its records' times are rounded, this
+    read may begin within the rounding of the last one); failed reads are skipped."""
+
+    def __init__(self, endpoint: Endpoint, path: str, poll_s: float = 0.01):
+        self.endpoint, self.path, self.poll_s = endpoint, path, poll_s
+        self.samples: list[tuple[float, State]] = []
+        self.before: State | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-poller", daemon=True)
+
+    def __enter__(self) -> StatusPoller:
+        self.before = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        state = self._read()
+        if state is not None:
+            self.samples.append((math.inf, state))
+
+    def _read(self) -> State | None:
+        try:
+            return read_source(self.endpoint, self.path)
+        except (OSError, ServerError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            state = self._read()
+            if state is not None:
+                self.samples.append((began, state))
+            self._stop.wait(self.poll_s)
 
 
 # --- the sources ---------------------------------------------------------------------------------
@@ -169,7 +215,9 @@ def _from_admin(data) -> State | None:
     counts = {name: data.get(key) if isinstance(data.get(key), int) else None
               for name, key in (("in_flight", "in_flight"), ("slots_used", "slots_used"),
                                 ("aborted", "requests_aborted"), ("steps", "steps"))}
-    return State(data["running"], data["waiting"], kv, "/admin/api/status", **counts)
+    finished = data.get("requests_finished")
+    ended = finished + counts["aborted"] if isinstance(finished, int) and counts["aborted"] is not None else None
+    return State(data["running"], data["waiting"], kv, "/admin/api/status", ended=ended, **counts)
 
 
 METRIC_NAMES = {  # flavour: (running, waiting, KV usage gauges in order of preference)
@@ -186,6 +234,9 @@ COUNT_NAMES = {  # State field: (metric sample name, labels it must carry), in o
                 ("vllm:request_success_total", {"finished_reason": "abort"})),
     "steps": (("refengine_engine_steps_total", {}), ("vllm:iteration_tokens_total_count", {})),
 }
+
+
+ENDED_NAME, ENDED_APART_NAME = "vllm:request_success_total", "refengine_requests_aborted_total"
 
 
 def _from_metrics(text: str) -> State | None:
@@ -206,11 +257,14 @@ def _from_metrics(text: str) -> State | None:
                 return round(sum(values))
         return None
 
+    ended = None  # vLLM counts aborts among its finished_reasons, refengine apart from them
+    if ENDED_NAME in samples:
+        ended = round(sum(samples[ENDED_NAME]) + sum(samples.get(ENDED_APART_NAME, [])))
     for flavour, (running, waiting, kv_names) in METRIC_NAMES.items():
         if running in samples:
             kv = next((max(samples[n]) for n in kv_names if n in samples), None)  # per engine: the fullest
             return State(round(sum(samples[running])), round(sum(samples.get(waiting, [0]))), kv,
-                         f"/metrics ({flavour})", kv_held_when_idle=flavour == "llama.cpp",
+                         f"/metrics ({flavour})", kv_held_when_idle=flavour == "llama.cpp", ended=ended,
                          **{field: count(field) for field in COUNT_NAMES})
     return None
 

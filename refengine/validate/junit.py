@@ -46,6 +46,8 @@ def junit(report: dict) -> ET.ElementTree:
         fail(drain, report["drain"]["note"])
     elif aborts and not aborts["ok"]:
         fail(drain, aborts["note"])
+    elif aborts and not aborts.get("alone", {"ok": True})["ok"]:
+        fail(drain, f"alone hang-up: {aborts['alone']['note']}")
     suite.set("tests", str(len(suite)))
     suite.set("failures", str(failures))
     suite.set("errors", "0")

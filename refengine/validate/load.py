@@ -60,13 +60,13 @@ def ended(sent: float, start: float) -> dict:
 
 
 def replay(endpoint: Endpoint, planned: list[Planned], served_name: str, baseline, concurrency: int,
-           dialect: Dialect | None = None) -> list[dict]:
-    """Send every planned request at its arrival time (measured from now), at most `concurrency` in
-    flight; their report records, in plan order, each with how many others it overlapped.
-    `baseline.judge(planned, completion)` gives a completed answer's verdict fields; `dialect`: what a
-    probe learned (default: ids from the answer's own fields)."""
+           dialect: Dialect | None = None, start: float | None = None) -> list[dict]:
+    """Send every planned request at its arrival time (measured from `start`, a time.monotonic();
+    default now), at most `concurrency` in flight; their report records, in plan order, each with how
+    many others it overlapped. `baseline.judge(planned, completion)` gives a completed answer's verdict
+    fields; `dialect`: what a probe learned (default: ids from the answer's own fields)."""
     dialect = dialect or Dialect()
-    start = time.monotonic()
+    start = time.monotonic() if start is None else start
     with ThreadPoolExecutor(concurrency, thread_name_prefix="validate") as pool:
         records = list(pool.map(lambda p: send_one(endpoint, p, served_name, baseline, start, dialect), planned))
     for r, n in zip(records, overlapped_with(records)):

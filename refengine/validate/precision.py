@@ -74,9 +74,11 @@ def agreeing_deltas(records: list[dict], golden) -> tuple[np.ndarray, dict]:
     return np.asarray(deltas, dtype=np.float64), counts
 
 
-def precision(records: list[dict], golden) -> dict | None:
+def precision(records: list[dict], golden, run_precision: str = "f32", run_tolerance: float | None = None) -> dict | None:
     """The precision report of validate's request records against a golden file (check.golden.Golden);
-    None when no record carries logprobs (the server reports none, or refused the fields)."""
+    None when no record carries logprobs (the server reports none, or refused the fields).
+    `run_precision`, `run_tolerance`: what the run held the server to (validate.bounds), set against
+    the tolerance its logprobs call for where that is not float32."""
     if not any(r.get("logprobs") is not None for r in records):
         return None
     deltas, counts = agreeing_deltas(records, golden)
@@ -84,7 +86,8 @@ def precision(records: list[dict], golden) -> dict | None:
     bound, safety = noise["f32_vs_f64"], noise["safety_factor"]
     out = {"steps": int(deltas.size), **counts, "max": None, "p50": None, "p99": None,
            "float32_bound": bound, "safety_factor": safety,
-           "golden_tolerance": tolerance(noise, "f32_vs_f64"), "tolerance_called_for": None}
+           "golden_tolerance": tolerance(noise, "f32_vs_f64"), "tolerance_called_for": None,
+           "run_precision": run_precision, "run_tolerance": run_tolerance}
     if deltas.size:
         worst = float(deltas.max())
         out |= {"max": worst, "p50": float(np.percentile(deltas, 50)), "p99": float(np.percentile(deltas, 99)),
@@ -119,6 +122,12 @@ def format_precision(p: dict) -> list[str]:
                      if p["tolerance_called_for"] <= p["golden_tolerance"] else
                      f"{p['tolerance_called_for'] / p['golden_tolerance']:.3g}x wider: the logprobs are less precise "
                      f"than float32 (or wrong); the verdicts above used the run's own tolerance"))
+    run, run_tolerance = p.get("run_precision", "f32"), p.get("run_tolerance")
+    if run != "f32" and None not in (p["tolerance_called_for"], run_tolerance):
+        rows.append((f"vs {run} tolerance", f"within it ({_g(run_tolerance)}): {run}-grade logprobs"
+                     if p["tolerance_called_for"] <= run_tolerance else
+                     f"{p['tolerance_called_for'] / run_tolerance:.3g}x wider than {_g(run_tolerance)}: the logprobs "
+                     f"are less precise than {run} (or wrong)"))
     for d in p["divergences"]:
         where = "step ?" if d["step"] is None else f"step {d['step']}"
         margin = "no margin (strict)" if d["margin"] is None else f"margin {_g(d['margin'])}"

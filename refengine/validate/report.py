@@ -104,12 +104,19 @@ def format_report(report: dict) -> str:
     if stripped:
         lines.append(f"note: {len(stripped)} answers came without the whitespace their golden answer has at an end "
                      f"(a server that strips its text); compared with it given back (validate.dialect.unstripped)")
+    at_limit = [r["finish_reason_at_max_tokens"] for r in report["alone"] + report["requests"]
+                if r.get("finish_reason_at_max_tokens")]
+    if at_limit:
+        lines.append(f"note: {len(at_limit)} answers that stopped on their last allowed token came with finish_reason "
+                     f"{'/'.join(sorted(set(at_limit)))} (both stop and length hold there: "
+                     f"validate.baseline.at_max_tokens)")
     if report.get("precision"):
         lines += format_precision(report["precision"])
     lines.append(f"drain: {report['drain']['note']}")
-    if "aborts" in report["drain"]:
-        lines.append(f"aborts: {report['drain']['aborts']['note']}" + ("" if report["drain"]["aborts"]["ok"]
-                                                                     else " -> a hang-up that was not aborted"))
+    aborts = report["drain"].get("aborts")
+    for label, accounting in (("aborts", aborts), ("alone hang-up", (aborts or {}).get("alone"))):
+        if accounting is not None:
+            lines.append(f"{label}: {accounting['note']}" + ("" if accounting["ok"] else " -> a hang-up that was not aborted"))
     if summary["verdict"] == "INCONCLUSIVE":
         lines.append(inconclusive_advice(report))
     lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS) + f" -> {summary['verdict']}")

@@ -1,0 +1,89 @@
+"""The judge's own tests kill its mutants: each hand-written mutant below changes one thing in a copy of
+the package (a boundary, a dropped condition, a swapped source), and the tests named with it must fail
+on that copy. A mutant whose text is no longer in its module fails here too, so the list cannot rot.
+Covers validate/aborts, validate/bounds, validate/effects and validate/junit (slow: a pytest run per
+mutant)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ABORTS, BOUNDS, EFFECTS, JUNIT = (f"refengine/validate/{m}.py" for m in ("aborts", "bounds", "effects", "junit"))
+T_ABORTS = ["tests/test_aborts.py"]
+T_EFFECTS = ["tests/test_effects.py"]
+
+MUTANTS = [  # (module, text, mutated text, tests that must fail)
+    (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
+    (ABORTS, "any(began >= hung_up and", "any(", T_ABORTS),
+    (ABORTS, 'start + record["done_s"] + CLOCK_SLACK_S', 'start + record["done_s"]', T_ABORTS),
+    (ABORTS, "state.finished - finished_before <= sum(", "state.finished - finished_before < sum(", T_ABORTS),
+    (ABORTS, "state.finished - finished_before <= sum(", "state.finished <= sum(", T_ABORTS),
+    (ABORTS, "for t in ends if t <= began)", "for t in ends)", T_ABORTS),
+    (ABORTS, 'if r["verdict"] in COMPARED]', 'if r["verdict"] != "error"]', T_ABORTS),
+    (ABORTS, "if not proving or unfinished_after_hang_up(", "if unfinished_after_hang_up(", T_ABORTS),
+    (ABORTS, "if not proving or unfinished_after_hang_up(", "if not proving or True or (", T_ABORTS),
+    (ABORTS, "before is not None and before.finished is not None", "before is not None", T_ABORTS),
+    (ABORTS, "ok = len(must) <= counted <= may", "ok = len(must) < counted <= may", T_ABORTS),
+    (ABORTS, "ok = len(must) <= counted <= may", "ok = len(must) <= counted < may", T_ABORTS),
+    (ABORTS, "ok = len(must) <= counted <= may", "ok = counted <= may", T_ABORTS),
+    (ABORTS, 'r["verdict"] in ("cancelled", "error") for r in records)', 'r["verdict"] == "cancelled" for r in records)',
+     T_ABORTS),
+    ("refengine/validate/drain.py", "else self.ended - self.aborted", "else self.ended", T_ABORTS),
+    (BOUNDS, "precision_tolerance = None if bound is None else bound * safety",
+     "precision_tolerance = bound", T_EFFECTS),
+    (BOUNDS, "        precision_tolerance = margin_tolerance\n", "        pass\n", T_EFFECTS),
+    (BOUNDS, "    if batch_invariant:\n", "    if False:\n", T_EFFECTS),
+    (BOUNDS, '(named, "the model\'s config.json") if named', '(named, "the model\'s config.json") if False',
+     T_EFFECTS),
+    (BOUNDS, "elif golden is not None and margin_tolerance is None:", "elif False:", T_EFFECTS),
+    (BOUNDS, 'batching, batching_from = precision_tolerance, "precision"', 'batching, batching_from = 0.0, "precision"',
+     T_EFFECTS),
+    (EFFECTS, 'if r["verdict"] in KINDS[1:]]', 'if r["verdict"] == "diverged"]', ["tests/test_effects.py"]),
+    (EFFECTS, 'batching = [r["batching"]["verdict"] for r in requests if "batching" in r]', "batching = []",
+     T_EFFECTS),
+    (JUNIT, "    elif aborts and not aborts[\"ok\"]:\n", "    elif False:\n", T_EFFECTS),
+    (JUNIT, 'elif aborts and not aborts.get("alone", {"ok": True})["ok"]:', "elif False:", T_EFFECTS),
+    (JUNIT, 'if report["drain"]["checked"] and not report["drain"]["drained"]:', 'if not report["drain"]["drained"]:',
+     T_EFFECTS),
+    (JUNIT, '            if batching.get("verdict") == "diverged":', '            if False:', T_EFFECTS),
+    (JUNIT, 'skipped += 1', 'skipped += 0', T_EFFECTS),
+]
+
+
+def package_copy(tmp_path: Path) -> Path:
+    for part in ("refengine", "tests"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("conftest.py", "pyproject.toml"):
+        shutil.copy(ROOT / part, tmp_path / part)
+    return tmp_path
+
+
+def run_in(copy: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python args` in the copy, which it imports ahead of any installed refengine."""
+    return subprocess.run([sys.executable, *args], cwd=copy, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(copy)})
+
+
+@pytest.mark.slow
+def test_the_runs_import_the_mutated_copy(tmp_path):
+    copy = package_copy(tmp_path)
+    imported = run_in(copy, "-c", "import refengine.validate.aborts as m; print(m.__file__)").stdout.strip()
+    assert Path(imported) == copy / ABORTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, text, mutated, tests", MUTANTS,
+                         ids=[f"{Path(m).stem}-{n}" for n, (m, *_) in enumerate(MUTANTS)])
+def test_the_tests_kill_the_mutant(module, text, mutated, tests, tmp_path):
+    copy = package_copy(tmp_path)
+    source = (copy / module).read_text(encoding="utf-8")
+    assert source.count(text) == 1, f"{module}: the mutated text is not there exactly once: {text!r}"
+    (copy / module).write_text(source.replace(text, mutated), encoding="utf-8")
+    run = run_in(copy, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests)
+    assert run.returncode == 1, f"mutant survived ({module}: {text!r} -> {mutated!r}):\n{run.stdout[-1500:]}"
