@@ -245,3 +245,24 @@ def test_logprob_ids_a_stream_left_out_are_set_aside_not_judged():
     stream.add({"choices": [], "usage": {"completion_tokens": 3}})
     completion = stream.completion(cancelled=False, done_marker=True)
     assert completion.text == "ab" and completion.token_ids is None and "usage.completion_tokens 3" in completion.note
+
+
+@pytest.mark.parametrize("case_id, reported, accepted", [
+    ("capital-japan", "length", True),      # stopped on its max_tokens-th token: both reasons hold
+    ("capital-japan", "stop", True),
+    ("capital-japan", "eos", False),
+    ("favourite-colour", "length", False),  # stopped one token short of max_tokens: length is wrong
+    ("green-thing", "stop", False),         # ran to max_tokens without a stop: stop is wrong
+    ("capital-japan", None, False)])
+def test_a_stop_on_the_last_allowed_token_may_be_reported_as_length(case_id, reported, accepted):
+    from refengine.validate.baseline import GoldenBaseline
+    from refengine.validate.client import Completion
+    from refengine.validate.plan import Planned
+
+    golden = read_golden(shipped("golden", "tiny-chat.jsonl"))
+    case = next(c for c in golden.cases if c.id == case_id)
+    answer = Completion(case.text, list(case.token_ids), None, reported, False)
+    fields = GoldenBaseline(golden, golden.tolerance).judge(Planned("r0", case, "chat", 0.0, False, None), answer)
+    assert (fields["verdict"] == "match") is accepted, fields
+    other_name = accepted and reported != case.finish_reason
+    assert fields.get("finish_reason_at_max_tokens") == (reported if other_name else None)

@@ -6,10 +6,12 @@ answer is held to its alone answer (the batching effect). Servers are real `refe
 from __future__ import annotations
 
 import json
+import shutil
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from refengine.check.calibrate import load_calibration
 from refengine.check.golden import read_golden
@@ -19,7 +21,9 @@ from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.errors import RefengineError
 from refengine.model import load_model
+from refengine.model.safetensors_io import save_file
 from refengine.model.tiny import make_tiny
+from refengine.model.weights import SINGLE_FILE
 from refengine.reference import prompt_logits
 from refengine.serve import OpenAIServer
 from refengine.validate.board import Cases, validate
@@ -103,9 +107,21 @@ def test_tolerances_come_from_the_golden_header_or_the_local_model_never_the_ser
     assert tolerances("bf16", None, False, read_golden(old), bf16_model).bound_from == "model"
 
 
-def test_a_clean_server_passes_at_every_precision_with_both_effects_matching(default_model, golden):
-    for precision in ("f32", "bf16"):
-        report = run(default_model, golden, precision=precision)
+@pytest.fixture(scope="module")
+def bf16_default(default_model, tmp_path_factory):
+    """The default model with its weights stored as bf16 (what a converted device checkpoint holds),
+    config.json saying so."""
+    out = tmp_path_factory.mktemp("bf16") / "tiny-chat-bf16"
+    shutil.copytree(default_model.path, out)
+    save_file(load_file(str(default_model.path / SINGLE_FILE)), out / SINGLE_FILE, "BF16")
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}), encoding="utf-8")
+    return load_model(out)
+
+
+def test_a_clean_server_passes_at_every_precision_with_both_effects_matching(default_model, bf16_default, golden):
+    for model, precision in ((default_model, "f32"), (bf16_default, "bf16")):
+        report = run(model, golden, precision=precision)
         assert report["summary"]["verdict"] == "PASS", (precision, report["summary"])
         assert report["bounds"]["precision"] == precision and report["bounds"]["bound_from"] == "golden"
         assert report["settings"]["tolerance"] == golden.header["noise"][BOUND_KEYS[precision]] * SAFETY_FACTOR
@@ -122,8 +138,10 @@ def test_a_batch_invariant_claim_holds_loaded_answers_to_zero(default_model, gol
     assert report["summary"]["verdict"] == "PASS"
 
 
-def test_a_bug_in_every_answer_is_a_precision_effect_far_above_the_bf16_bound(default_model, golden):
-    report = run(default_model, golden, CORRUPTS_ALONE, precision="bf16")
+def test_a_bug_in_every_answer_is_a_precision_effect_far_above_the_bf16_bound(bf16_default, golden):
+    """A catalogued fault in a server of bf16 weights, judged at the bf16 bound: still a FAIL, every
+    divergence far above the line."""
+    report = run(bf16_default, golden, CORRUPTS_ALONE, precision="bf16")
     assert report["summary"]["verdict"] == "FAIL"
     tolerance = report["bounds"]["precision_tolerance"]
     diverged = [r for r in report["alone"] if r["verdict"] == "diverged"]
@@ -232,3 +250,19 @@ def test_a_stripped_text_only_answer_matches_and_says_so(golden):
         Planned("x", case, "completions", 0.0, False, None),
         Completion("X" + case.text.lstrip()[1:], None, None, case.finish_reason, False))
     assert changed["verdict"] == "diverged"
+
+
+def test_a_bound_measured_on_the_model_is_kept_by_fingerprint_and_precision(tmp_path, monkeypatch):
+    from refengine.validate.bounds import measured_bound
+    monkeypatch.setenv("REFENGINE_CACHE", str(tmp_path / "cache"))
+    model = load_model(make_tiny(tmp_path / "m"))
+    bound = measured_bound(model, "bf16")
+    assert bound == precision_noise(model, "bf16")["max"]
+    [kept] = (tmp_path / "cache" / "bounds").iterdir()
+    record = json.loads(kept.read_text(encoding="utf-8"))
+    assert (record["model_fingerprint"], record["precision"], record["max"]) == (model.fingerprint, "bf16", bound)
+    kept.write_text(json.dumps({**record, "max": 123.0}), encoding="utf-8")  # what is kept is what is read
+    assert measured_bound(model, "bf16") == 123.0
+    assert measured_bound(model, "fp16") == precision_noise(model, "fp16")["max"]  # another precision: measured
+    kept.write_text("{", encoding="utf-8")  # a torn file is measured again
+    assert measured_bound(model, "bf16") == bound

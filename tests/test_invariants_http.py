@@ -22,6 +22,7 @@ from refengine.check.golden import load_prompts, read_golden, refresh
 from refengine.cli import main
 from refengine.data import shipped
 from refengine.engine import EngineConfig
+from refengine.errors import RefengineError
 from refengine.serve import OpenAIServer
 from refengine.suite.harness import PropertyFailure
 from refengine.suite.plugin import HTTP_MAX_WAITING
@@ -146,6 +147,42 @@ def test_with_few_waiting_slots_a_slot_leak_is_refused_requests(tiny_model, long
     # how many requests a failing schedule needs depends on how many slots earlier examples leaked
     assert len(shrunk) <= MAX_SHRUNK_REQUESTS and ": error (" in str(failure), failure
 
+
+
+def test_an_engine_url_is_held_to_the_given_precision_and_model(tiny_model, tmp_path):
+    """--precision and --model reach the HTTP properties as validate's bounds: the tolerance of that
+    precision from the golden header, or measured on the model where the header lacks it (a golden
+    file without it and no model: an error naming the key), and the model's float64 margins."""
+    golden_path = shipped("golden", "tiny-random.jsonl")
+    lines = golden_path.read_text(encoding="utf-8").split("\n")
+    header = json.loads(lines[0])
+    del header["noise"]["bf16_vs_f64"]
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join([json.dumps(header)] + lines[1:]), encoding="utf-8")
+    server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4), host="127.0.0.1")
+    server.start()
+    try:
+        golden = read_golden(golden_path)
+        bf16 = connect(server.url, golden, "bf16")
+        assert bf16.bounds.precision == "bf16" and bf16.margins is None
+        noise = golden.header["noise"]
+        assert bf16.tolerance == bf16.batching == noise["bf16_vs_f64"] * noise["safety_factor"]
+        with pytest.raises(RefengineError, match="bf16_vs_f64"):
+            connect(server.url, read_golden(old), "bf16")
+        measured = connect(server.url, read_golden(old), "bf16", tiny_model)
+        assert measured.bounds.bound_from == "model" and measured.margins.fingerprint == tiny_model.fingerprint
+        run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "refengine.suite", "-m", "http", "-q",
+                              "-p", "no:cacheprovider", "--engine-url", server.url, f"--golden={old}",
+                              "--precision=bf16", f"--model={tiny_model.path}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "HYPOTHESIS_PROFILE": "dev", "REFENGINE_REPRO_DIR": str(tmp_path)})
+        assert run.returncode == 0, run.stdout[-3000:]
+        refused = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "refengine.suite", "-m", "http", "-q",
+                                  "-p", "no:cacheprovider", "--engine-url", server.url, f"--golden={old}",
+                                  "--precision=bf16"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and "bf16_vs_f64" in refused.stdout
+    finally:
+        server.close()
 
 
 @pytest.mark.slow  # it loads every core: in the default run that would starve the other xdist worker's tests

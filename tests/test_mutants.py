@@ -1,8 +1,8 @@
 """The judge's own tests kill its mutants: each hand-written mutant below changes one thing in a copy of
 the package (a boundary, a dropped condition, a swapped source), and the tests named with it must fail
 on that copy. A mutant whose text is no longer in its module fails here too, so the list cannot rot.
-Covers validate/aborts, validate/bounds, validate/effects and validate/junit (slow: a pytest run per
-mutant)."""
+Covers validate/aborts, validate/bounds, validate/effects, validate/junit, the finish-reason dialect
+of validate/baseline and board's abort count (slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -35,6 +35,12 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, 'r["verdict"] in ("cancelled", "error") for r in records)', 'r["verdict"] == "cancelled" for r in records)',
      T_ABORTS),
     ("refengine/validate/drain.py", "else self.ended - self.aborted", "else self.ended", T_ABORTS),
+    ("refengine/validate/baseline.py", "return len(case.token_ids) == case.max_tokens and (", "return (",
+     ["tests/test_dialects.py"]),
+    ("refengine/validate/baseline.py", '(case.finish_reason, finish_reason) == ("stop", "length")',
+     '{case.finish_reason, finish_reason} == {"stop", "length"}', ["tests/test_dialects.py"]),
+    ("refengine/validate/board.py", "before_load = poller.before or drain_baseline if",
+     "before_load = drain_baseline if", ["tests/test_validate.py"]),
     (BOUNDS, "precision_tolerance = None if bound is None else bound * safety",
      "precision_tolerance = bound", T_EFFECTS),
     (BOUNDS, "        precision_tolerance = margin_tolerance\n", "        pass\n", T_EFFECTS),

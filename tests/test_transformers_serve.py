@@ -346,9 +346,14 @@ def test_a_bf16_server_passes_with_every_divergence_measured_within_the_bf16_bou
         done, report = validate(srv.url, "--golden", golden_file, "--precision", "bf16", "--model", model_dir,
                                 "--concurrency", 4, "--seed", 1, "--cancel-rate", 0.2, "--repeat", 2,
                                 cwd=workdir, report=workdir / "report-bf16.json")
+        # the shipped HTTP properties agree: held to the same bf16 bound, with the same local margins
+        suite = run([sys.executable, "-m", "pytest", "--pyargs", "refengine.suite", "-m", "http",
+                     "--engine-url", srv.url, f"--golden={golden_file}", "--precision=bf16", f"--model={model_dir}",
+                     "--hypothesis-profile=dev", "-p", "no:cacheprovider", "-q"], workdir)
     finally:
         srv.close()
     assert done.returncode == 0, done.stdout + done.stderr + srv.log_tail()
+    assert suite.returncode == 0, suite.stdout[-6000:] + suite.stderr[-2000:]
     bounds = report["bounds"]
     assert bounds["precision"] == "bf16" and bounds["bound_from"] == "golden"
     assert report["effects"]["precision"]["diverged"] == report["effects"]["batching"]["diverged"] == 0

@@ -201,6 +201,7 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert status["running"] == status["waiting"] == status["kv_blocks_used"] == 0
     lone = report["drain"]["aborts"]["alone"]  # the longest answer, hung up alone before the load
     assert lone["ok"] and lone["must"] == [lone["id"]] and lone["counted"] == 1
+    assert status["requests_aborted"] == report["drain"]["aborts"]["counted"] + 1  # the load's aborts are its own
     assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == \
         len(requests) + report["dialect"]["probe_requests"] + len(report["alone"]) + 1  # + probes, alone, lone
     assert status["requests_aborted"] <= summary["cancelled"] + 1  # a hang-up can come after the last token

@@ -69,6 +69,14 @@ def pytest_addoption(parser):
     group.addoption("--golden", metavar="FILE", default=None,
                     help="golden file the --engine-url server's model must match (default: the shipped "
                          "golden file of the embedded default model)")
+    group.addoption("--precision", choices=("auto", "f32", "bf16", "fp16"), default="auto",
+                    help="what the --engine-url server computes in: its answers are held to refengine's "
+                         "bound for that precision x 8, from the golden header or measured on --model "
+                         "(validate --precision; auto: the dtype in --model's config.json, else f32)")
+    group.addoption("--model", metavar="DIR", default=None,
+                    help="the --engine-url server's model folder (HF format): the float64 reference measures "
+                         "the margin at every divergence the server's answers do not carry (text only, no "
+                         "logprobs), and gives the bound a golden file lacks (validate --model)")
     group.addoption("--update-golden", action="store_true",
                     help="regenerate the committed golden files with the float64 reference")
     group.addoption(DATABASE_OPTION, metavar="URL", default=None,
@@ -170,9 +178,17 @@ HTTP_MAX_WAITING = 2  # + 4 seats = strategies.http_schedules.MAX_HTTP_REQUESTS 
 HTTP_QUEUE_TIMEOUT_S = 3.0
 
 
+class HttpTarget(NamedTuple):
+    url: str
+    golden: object          # check.golden.Golden
+    precision: str          # --precision: auto | f32 | bf16 | fp16
+    model: object = None    # --model, loaded (refengine.model.Model); None: not given
+
+
 @pytest.fixture(scope="session")
 def http_engine(request):
-    """(url, golden) for the HTTP invariants: the --engine-url server and the --golden file, or an
+    """HttpTarget for the HTTP invariants: the --engine-url server, the --golden file, --precision and
+    the --model folder, or an
     in-process OpenAIServer on 127.0.0.1 serving the embedded default model, tiny-chat (4 seats, 32-token steps so
     prefill chunks mix with decodes and requests queue; HTTP_MAX_WAITING waiting slots, so its 6
     admission slots are exactly a largest schedule's requests: a leaked slot turns into a refused
@@ -186,9 +202,9 @@ def http_engine(request):
     from ..validate.board import served_model
     from ..validate.client import Endpoint
 
-    url = request.config.getoption("--engine-url")
-    model = None if url else load_model(default_model_dir())
+    url, local = request.config.getoption("--engine-url"), request.config.getoption("--model")
     try:
+        model = (load_model(local) if local else None) if url else load_model(default_model_dir())
         golden = read_golden(request.config.getoption("--golden") or default_golden())
         if url:
             served_model(Endpoint(url, timeout=10))
@@ -200,10 +216,10 @@ def http_engine(request):
     if problem:
         pytest.fail(problem, pytrace=False)
     if url:
-        yield url, golden
+        yield HttpTarget(url, golden, request.config.getoption("--precision"), model)
         return
     server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1",
                           max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
     server.start()
-    yield server.url, golden
+    yield HttpTarget(server.url, golden, "f32")
     server.close()

@@ -1,19 +1,23 @@
 """HTTP invariants: Hypothesis join/leave schedules of golden cases (strategies.http_schedules) sent
-over real HTTP to an OpenAI-compatible server — `--engine-url URL` (judged against `--golden FILE`),
-else an in-process refengine server on 127.0.0.1 serving the default tiny model (suite.plugin's
-`http_engine` fixture).
+over real HTTP to an OpenAI-compatible server — `--engine-url URL` (judged against `--golden FILE`,
+at `--precision`, with `--model DIR`'s float64 margins where its answers carry none: validate's rules,
+so the suite and `refengine validate` agree on a server), else an in-process refengine server on
+127.0.0.1 serving the default tiny model (suite.plugin's `http_engine` fixture).
 
+The tolerance is validate.bounds': the bound of the server's precision (float32 unless --precision
+says otherwise) from the golden header, or measured on --model, x 8; against its own alone answers the
+same (the batching tolerance).
 - every completed answer matches its golden case under the margin rule, and the schedules were
   really under load: of the compared requests in schedules of two or more, at least
   validate.load.MIN_OVERLAP_FRACTION overlapped another (validate's rule; arrival steps are scaled to
   the server's measured alone latency, so this holds on fast and slow servers);
 - every completed answer equals the same server's answer to that case and API sent alone (fetched
   once, when the module connects: validate's serial baseline), except at the server's own top-2
-  margin within the golden tolerance;
+  margin (or, where it reports none, --model's float64 margin) within the batching tolerance;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort (validate.aborts, judged once the server is idle): every streamed request that
   hung up with more than validate.aborts.ABORT_SLACK tokens of its golden answer unsent, and that a
-  status read after the hang-up shows still running, must not run to its end: the server's
+  status read after the hang-up shows unfinished, must not run to its end: the server's
   `requests_aborted` counts it; and the schedule's aborts are at most its hang-ups and errors (skipped
   on a server that counts no aborts);
 - afterwards the server drains: once it is idle, nothing running or waiting, KV use and, where
@@ -35,10 +39,12 @@ import pytest
 from hypothesis import given, settings
 
 from ..check.golden import Golden, GoldenCase
+from ..errors import RefengineError
 from ..strategies.http_schedules import arrival_step_s, http_schedules, planned_requests
 from ..validate.aborts import abort_accounting
 from ..validate.baseline import GoldenBaseline, SerialBaseline
 from ..validate.board import send_alone, served_model
+from ..validate.bounds import Tolerances, tolerances
 from ..validate.client import Endpoint
 from ..validate.dialect import accepts_id_prompts
 from ..validate.drain import (
@@ -49,6 +55,7 @@ from ..validate.drain import (
     wait_drained,
 )
 from ..validate.load import MIN_OVERLAP_FRACTION, replay
+from ..validate.margins import LocalMargins
 from ..validate.plan import Planned
 from ..validate.precision import agreeing
 from ..validate.report import describe_record
@@ -73,11 +80,23 @@ class Server:
     arrival_step_s: float  # strategies.http_schedules: from the shortest alone answer's latency
     id_prompts: bool = True  # /v1/completions takes token-id prompts (chat cases may go as completions)
     alone: dict = field(default_factory=dict)  # (case id, api) -> the server's answer with nothing else in flight
+    bounds: Tolerances | None = None  # validate.bounds: against golden (precision) and against alone (batching)
+    margins: LocalMargins | None = None  # the --model folder's float64 margins, for answers that carry none
+
+    @property
+    def tolerance(self) -> float:
+        return self.bounds.precision_tolerance
+
+    @property
+    def batching(self) -> float:
+        return self.bounds.batching
 
 
-def connect(url: str, golden: Golden) -> Server:
-    """The server, with its pace and its own alone answers: every golden case sent once alone, whole,
-    to each API a schedule may send it to."""
+def connect(url: str, golden: Golden, precision: str = "f32", model=None) -> Server:
+    """The server, with its pace, the tolerances it is held to (validate.bounds: `precision`'s bound
+    from the golden header, or measured on `model`) and its own alone answers: every golden case sent
+    once alone, whole, to each API a schedule may send it to."""
+    bounds = tolerances(precision, None, False, golden, model)
     endpoint = Endpoint(url, TIMEOUT_S)
     name = served_model(endpoint)["id"]
     chat_cases = sorted((c for c in golden.cases if c.messages), key=lambda c: len(c.prompt_ids))
@@ -87,7 +106,8 @@ def connect(url: str, golden: Golden) -> Server:
     kept, records = send_alone(endpoint, [Planned(case.id, case, api, 0.0, False, None) for case, api in apis],
                                name, dialect=None)
     pace = min(r["latency_s"] for r in records if r["api"] == "completions" or not id_prompts)
-    return Server(endpoint, name, golden, arrival_step_s(pace), id_prompts, kept.answers)
+    return Server(endpoint, name, golden, arrival_step_s(pace), id_prompts, kept.answers, bounds,
+                  None if model is None else LocalMargins(model))
 
 
 def http_property(check, server: Server, twins: bool = False, **overrides):
@@ -104,20 +124,20 @@ def send(server: Server, schedule, baseline=None, start: float | None = None) ->
     """Every request of the schedule at its arrival time (from `start`, default now), all in flight
     together; validate's records, judged by `baseline` (default: the golden file)."""
     planned = planned_requests(schedule, server.golden, server.arrival_step_s)
-    baseline = baseline or GoldenBaseline(server.golden, server.golden.tolerance)
+    baseline = baseline or GoldenBaseline(server.golden, server.tolerance)
     return replay(server.endpoint, planned, server.served_name, baseline, len(planned), start=start)
 
 
 def answers_equal_alone(server: Server, schedule) -> None:
     """Validate's serial baseline as a property: every completed answer is the server's own alone
-    answer to that case and API, except at the server's own top-2 margin within the golden tolerance
+    answer to that case and API, except at the server's own top-2 margin (or --model's) within the batching tolerance
     (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs)."""
-    records = send(server, schedule, SerialBaseline(server.alone, server.golden.tolerance))
+    records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins))
     failed = [r for r in records if r["verdict"] in ("diverged", "error")]
     if failed:
         fail(server, "http-answers-equal-alone", "answers that differ from the server's own alone answers; http "
              "schedule:\n" + outcomes(records) + "\n"
-             + "\n".join(describe_record(r, server.golden.tolerance, "serial") for r in failed
+             + "\n".join(describe_record(r, server.batching, "serial", server.margins is not None) for r in failed
                           if r["verdict"] == "diverged"), records)
 
 
@@ -136,7 +156,8 @@ def fail(server: Server, name: str, message: str, records: list[dict]):
     data = repro(records, found_by=name, url=server.endpoint.url, server={"model": server.served_name},
                  baseline="golden", source=server.golden.path, fingerprint=server.golden.fingerprint,
                  settings={"concurrency": len(records), "margin_tolerance": None,
-                           "tolerance": server.golden.tolerance, "api": "auto", "timeout": TIMEOUT_S})
+                           "tolerance": server.tolerance, "precision": server.bounds.precision, "api": "auto",
+                           "timeout": TIMEOUT_S})
     path = write_repro(repro_dir() / f"{name}.json", data)
     raise PropertyFailure(f"{message}\nwritten to {path}; send it again with "
                           f"`refengine validate --replay {path} --url {server.endpoint.url}`", path)
@@ -149,7 +170,7 @@ def answers_match_golden(server: Server, schedule) -> None:
 
 def check_records(server: Server, records: list[dict]) -> None:
     failed = [r for r in records if r["verdict"] in ("diverged", "error")]
-    diffs = [describe_record(r, server.golden.tolerance) for r in failed if r["verdict"] == "diverged"]
+    diffs = [describe_record(r, server.tolerance) for r in failed if r["verdict"] == "diverged"]
     if failed:
         fail(server, "http-answers-match-golden", "answers that fail the margin rule; http schedule:\n"
              + outcomes(records) + "\n" + "\n".join(diffs), records)
@@ -160,7 +181,7 @@ def check_logprobs(server: Server, records: list[dict]) -> None:
     """The OpenAI logprobs a completed answer reports (validate asks every request for them): on
     every step that agrees with the golden tokens, within twice the golden tolerance of the float64
     logprob (a logprob is a logit minus the row's logsumexp: each moves by at most the logit bound)."""
-    bound = 2 * server.golden.tolerance
+    bound = 2 * server.tolerance
     cases = {c.id: c for c in server.golden.cases}
     for r in records:
         if r["verdict"] not in COMPLETED or r.get("token_ids") is None or not r.get("logprobs"):
@@ -196,7 +217,7 @@ def streamed_equals_whole(server: Server, schedule) -> None:
     pairs = [(s, w) for s in completed if s["streamed"] for w in completed
              if not w["streamed"] and w["case"] == s["case"]]
     for s, w in pairs:
-        why = parting(cases[s["case"]], s, w, server.golden.tolerance)
+        why = parting(cases[s["case"]], s, w, server.tolerance)
         if why is not None:
             fail(server, "http-streamed-equals-whole", f"{s['id']} (streamed) and {w['id']} (whole) of "
                  f"{s['case']!r}: {why}; http schedule:\n" + outcomes(records), records)
@@ -234,7 +255,7 @@ def hang_ups_are_aborts(server: Server, schedule) -> None:
     ok, last, drain_note = drained(server, baseline)
     if last is None:
         fail(server, "http-hang-ups-are-aborts", f"{drain_note}; http schedule:\n" + outcomes(records), records)
-    expected = GoldenBaseline(server.golden, server.golden.tolerance).expected_tokens
+    expected = GoldenBaseline(server.golden, server.tolerance).expected_tokens
     aborts = abort_accounting(records, last.aborted - baseline.aborted, expected, start,
                               poller.samples, poller.before)
     if not aborts["ok"]:
@@ -247,7 +268,10 @@ def hang_ups_are_aborts(server: Server, schedule) -> None:
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(http_engine) -> Server:
-    return connect(*http_engine)
+    try:
+        return connect(*http_engine)
+    except RefengineError as e:  # a golden file without the precision's bound, and no --model
+        pytest.fail(f"HTTP invariants: {e}", pytrace=False)
 
 
 def test_completed_answers_match_golden(server):

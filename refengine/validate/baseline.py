@@ -84,10 +84,11 @@ class GoldenBaseline:
 
 
 def at_max_tokens(case, finish_reason: str | None) -> bool:
-    """Is `finish_reason` the other name of the golden finish? A golden answer that stopped (eos or a
+    """Is a `length` finish the other name of the golden `stop`? A golden answer that stopped (eos or a
     stop id) on the last token max_tokens allows has both reasons; servers name it either way (refengine
-    and vLLM: stop; transformers serve: length)."""
-    return len(case.token_ids) == case.max_tokens and {finish_reason, case.finish_reason} == {"stop", "length"}
+    and vLLM: stop; transformers serve: length). Not the other way round: a golden answer that ran to
+    max_tokens ended on no stop token."""
+    return len(case.token_ids) == case.max_tokens and (case.finish_reason, finish_reason) == ("stop", "length")
 
 
 def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:

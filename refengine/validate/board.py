@@ -136,8 +136,9 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     drain = {"checked": state is not None, "drained": drained, "note": note,
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
                  "kv_usage": state.kv_usage} if state is not None else {})}
-    if state is not None and drain_baseline is not None and None not in (state.aborted, drain_baseline.aborted):
-        drain["aborts"] = abort_accounting(requests, state.aborted - drain_baseline.aborted, baseline.expected_tokens,
+    before_load = poller.before or drain_baseline if poller is not None else None  # after the alone phases
+    if state is not None and before_load is not None and None not in (state.aborted, before_load.aborted):
+        drain["aborts"] = abort_accounting(requests, state.aborted - before_load.aborted, baseline.expected_tokens,
                                            start, poller.samples, poller.before)
         if lone is not None:
             drain["aborts"]["alone"] = lone

@@ -3,7 +3,7 @@
 - precision: how far a correct engine at the server's precision (f32, bf16, fp16) is from float64.
   Its bound is the golden file's header (noise.f32_vs_f64, noise.bf16_vs_f64, noise.fp16_vs_f64:
   refengine's own reference, rounded as such an engine rounds, against float64: check.rounded),
-  else measured now on the local model's folder (--model) the same way. Tolerance = bound x the
+  else measured on the local model's folder (--model) the same way (once: measured_bound keeps it). Tolerance = bound x the
   safety factor (check.margin_rule.tolerance). It judges the server's alone answers and its loaded
   answers against the golden file.
 - batching: how far the server's loaded answer may be from its own alone answer. By default the
@@ -18,11 +18,14 @@ vLLM and transformers serve take for `--dtype auto`), else float32.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 
+from .. import __version__
 from ..check.margin_rule import SAFETY_FACTOR
 from ..check.rounded import BOUND_KEYS, PRECISIONS, precision_noise
 from ..errors import RefengineError
+from ..model.cache import cache_dir
 
 CONFIG_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -51,6 +54,24 @@ def config_precision(model) -> str | None:
     return CONFIG_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
 
 
+def measured_bound(model, precision: str) -> float:
+    """check.rounded.precision_noise(model, precision)'s max, measured once per model, precision and
+    refengine version (the rounding it models may change between versions) and kept in the cache folder
+    (REFENGINE_CACHE, default ~/.cache/refengine) under bounds/: on a large model it takes minutes."""
+    path = cache_dir() / "bounds" / f"{model.fingerprint.removeprefix('sha256:')}-{precision}-{__version__}.json"
+    try:
+        return float(json.loads(path.read_text(encoding="utf-8"))["max"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    noise = precision_noise(model, precision)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps({"model_fingerprint": model.fingerprint, "precision": precision, **noise}),
+                       encoding="utf-8")
+    staging.replace(path)  # atomic: a process racing for the same bound reads a whole file or none
+    return noise["max"]
+
+
 def tolerances(precision: str, margin_tolerance: float | None, batch_invariant: bool, golden=None,
                model=None) -> Tolerances:
     """`precision`: one of PRECISIONS or "auto"; `golden`: check.golden.Golden; `model`: the local model."""
@@ -67,7 +88,7 @@ def tolerances(precision: str, margin_tolerance: float | None, batch_invariant: 
     if key in noise:
         bound, bound_from = float(noise[key]), "golden"
     elif model is not None:
-        bound, bound_from = precision_noise(model, precision)["max"], "model"
+        bound, bound_from = measured_bound(model, precision), "model"
     elif golden is not None and margin_tolerance is None:
         raise RefengineError(f"precision {precision}: the golden file {golden.path} has no noise.{key} (made before "
                              f"16-bit bounds): refresh it, or give the model's folder (--model DIR)")

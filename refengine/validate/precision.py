@@ -74,7 +74,8 @@ def agreeing_deltas(records: list[dict], golden) -> tuple[np.ndarray, dict]:
     return np.asarray(deltas, dtype=np.float64), counts
 
 
-def precision(records: list[dict], golden, run_precision: str = "f32", run_tolerance: float | None = None) -> dict | None:
+def precision(records: list[dict], golden, run_precision: str = "f32",
+              run_tolerance: float | None = None) -> dict | None:
     """The precision report of validate's request records against a golden file (check.golden.Golden);
     None when no record carries logprobs (the server reports none, or refused the fields).
     `run_precision`, `run_tolerance`: what the run held the server to (validate.bounds), set against

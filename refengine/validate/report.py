@@ -116,14 +116,16 @@ def format_report(report: dict) -> str:
     aborts = report["drain"].get("aborts")
     for label, accounting in (("aborts", aborts), ("alone hang-up", (aborts or {}).get("alone"))):
         if accounting is not None:
-            lines.append(f"{label}: {accounting['note']}" + ("" if accounting["ok"] else " -> a hang-up that was not aborted"))
+            verdict = "" if accounting["ok"] else " -> a hang-up that was not aborted"
+            lines.append(f"{label}: {accounting['note']}{verdict}")
     if summary["verdict"] == "INCONCLUSIVE":
         lines.append(inconclusive_advice(report))
     lines.append(", ".join(f"{kind} {summary[kind]}" for kind in VERDICTS) + f" -> {summary['verdict']}")
     return "\n".join(lines)
 
 
-BOUND_SOURCES = {"golden": "the golden file's header", "model": "the local model, measured now"}
+BOUND_SOURCES = {"golden": "the golden file's header",
+                 "model": "the local model (measured once per model and precision, then cached)"}
 
 
 def format_bounds(b: dict) -> str:
