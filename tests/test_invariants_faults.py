@@ -19,7 +19,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from refengine.cli import main
 from refengine.cli.common import FAULT_ENV as ENV_VAR
 from refengine.engine import FAULTS
-from refengine.strategies import DEFAULT_MODEL, tiny_model_names
+from refengine.strategies import DEFAULT_MODEL, shared_prefix_schedules, tiny_model_names
 from refengine.suite.harness import (
     REPRO_DIR_VAR,
     PropertyFailure,
@@ -30,6 +30,7 @@ from refengine.suite.harness import (
     other_budgets,
 )
 from refengine.suite.test_finish import check_finish, finish_schedules
+from refengine.suite.test_prefix_caching import check_prefix_caching
 from refengine.suite.test_state_machine import SchedulerKVMachine
 
 pytestmark = pytest.mark.invariants
@@ -60,6 +61,9 @@ PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property wi
     "finish-semantics": (
         st.tuples(tiny_model_names(), finish_schedules()),
         lambda example, fault: check_finish("finish-semantics", *example, fault=fault)),
+    "prefix-caching-is-exact": (
+        st.tuples(tiny_model_names(), shared_prefix_schedules("invariant")),
+        lambda example, fault: check_prefix_caching("prefix-caching-is-exact", *example, fault=fault)),
 }
 CAUGHT_BY = {
     "stale-block-table-after-preemption": "invariant-mode-is-exact",
@@ -78,6 +82,11 @@ CAUGHT_BY = {
     "top-p-excludes-crossing-token": "sampling-distribution",  # not schedule-shaped: tests/test_sampling_oracle.py
     "hang-up-without-abort": "http-hang-ups-are-aborts",  # serve layer: caught by tests/test_invariants_http.py
     "slot-leak": "http-server-drains",  # serve layer: caught by tests/test_invariants_http.py
+    "prefix-hash-not-chained": "prefix-caching-is-exact",
+    "cached-block-not-refcounted": "prefix-caching-is-exact",
+    "evicted-block-still-cached": "prefix-caching-is-exact",
+    "cached-block-left-on-free-list": "prefix-caching-is-exact",
+    "cached-prefix-last-block-dropped": "prefix-caching-is-exact",
 }
 STATE_MACHINE_CATCHES = ("abort-leaks-blocks", "stale-block-table-after-preemption")
 

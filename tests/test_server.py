@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.model import load_model
@@ -459,5 +460,35 @@ def test_a_hang_up_is_aborted_and_returns_its_admission_slot(tiny_model, fault):
             assert code == 503 and json.loads(data)["error"]["code"] == "queue_timeout"
         else:
             assert generate(server, "completion", {"prompt": "hi", "max_tokens": 2}, stream=False)["token_ids"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefix_caching_reports_cached_tokens_and_counts_hits(tiny_model, stream):
+    """With prefix caching a repeated prompt reports its cached full blocks in
+    usage.prompt_tokens_details.cached_tokens (vLLM's field), gets the same answer as the first time
+    (invariant mode: bit-identical), and /metrics counts queries and hits under vLLM's names; without
+    caching the field is absent."""
+    prompt = list(range(3, 43))  # 40 tokens: two full 16-token blocks can be shared
+    server = start_server(tiny_model, block_size=16, enable_prefix_caching=True)
+    try:
+        first = generate(server, "completion", {"prompt": prompt, "max_tokens": 5, "logprobs": 1}, stream=stream)
+        again = generate(server, "completion", {"prompt": prompt, "max_tokens": 5, "logprobs": 1}, stream=stream)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert again["token_ids"] == first["token_ids"] and again["logprobs"] == first["logprobs"]
+        status = status_of(server)
+        assert (status["prefix_cache_queries"], status["prefix_cache_hits"]) == (80, 32)
+        code, data = call(server.url, "GET", "/metrics")
+        metrics = {s.name: s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples}
+        assert (metrics["vllm:prefix_cache_queries_total"], metrics["vllm:prefix_cache_hits_total"]) == (80, 32)
+    finally:
+        server.close()
+    server = start_server(tiny_model, block_size=16)
+    try:
+        generate(server, "completion", {"prompt": prompt, "max_tokens": 2}, stream=stream)
+        assert "prompt_tokens_details" not in generate(server, "completion", {"prompt": prompt, "max_tokens": 2},
+                                                       stream=stream)["usage"]
     finally:
         server.close()

@@ -1,6 +1,8 @@
 """serve: the OpenAI-compatible HTTP server (refengine/server.py) on one model."""
 from __future__ import annotations
 
+import argparse
+
 from ..engine import MODES, EngineConfig
 from ..engine.config import SCHEDULING_POLICIES
 from ..errors import RefengineError
@@ -18,7 +20,8 @@ def run_serve(args) -> int:
     config = EngineConfig(mode=args.mode, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                          scheduling_policy=args.scheduling_policy, fault=fault_from(args))
+                          scheduling_policy=args.scheduling_policy,
+                          enable_prefix_caching=args.enable_prefix_caching, fault=fault_from(args))
     try:
         server = OpenAIServer(open_model(args), config, args.host, args.port, max_waiting=args.max_waiting,
                               queue_timeout=args.queue_timeout, served_name=args.served_model_name,
@@ -47,6 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="the order of each step's chunks (outputs must not depend on it)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share computed KV blocks between requests with a common prompt prefix, as vLLM, "
+                        "SGLang and llama.cpp do by default (default: off, see docs/concepts/engine.md)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may queue beyond the running batch before new ones wait for a slot")
     p.add_argument("--queue-timeout", type=float, default=30.0,

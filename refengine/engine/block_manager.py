@@ -1,12 +1,22 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks, one block table per sequence.
 
 Token position p of a sequence lives in slot `table[p // block_size] * block_size + p % block_size`
-of the cache arrays the model runner owns. Blocks are reference counted so a block could be shared;
-today every block has exactly one owner, and `check_invariants` proves the accounting adds up.
+of the cache arrays the model runner owns. Blocks are reference counted: a block's count is the
+number of tables holding it, and `check_invariants` proves the accounting adds up.
+
+With prefix caching (vLLM's automatic prefix caching), a FULL block whose KV has been computed is
+registered under a hash chained through its parent block's hash and its own token ids
+(block_hashes), so equal hashes mean equal tokens from position 0 on: the same KV. A sequence joining
+takes the longest chain of registered blocks its tokens start with (`take_cached`), sharing them
+read-only (never written: a hit covers full blocks only, and a sequence writes past its cached
+tokens). A freed block keeps its registration while it sits on the free list, which is kept in
+least-recently-freed order: allocation takes from its front and un-registers what it takes (an
+evicted block is never found again through its old hash), a hit takes the block off the list.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
 
 
 class BlockTable:
@@ -23,13 +33,32 @@ class BlockTable:
         return f"BlockTable({self.owner!r}, {self.block_ids})"
 
 
+def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """The chained hash of every full block of `token_ids`: sha256(parent hash, the block's ids);
+    `parent`: the hash of the block before the first (none: the tokens start at position 0)."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start:start + block_size]
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in block)).digest()
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 count_shares: bool = True, evict_on_reuse: bool = True, unlist_hits: bool = True):
+        """`count_shares` False: Fault.CACHED_BLOCK_NOT_REFCOUNTED; `evict_on_reuse` False:
+        Fault.EVICTED_BLOCK_STILL_CACHED; `unlist_hits` False: Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST (the
+        engine resolves them from its config)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.count_shares, self.evict_on_reuse, self.unlist_hits = count_shares, evict_on_reuse, unlist_hits
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.ref_counts = [0] * num_blocks
         self.tables: dict[str, BlockTable] = {}  # owner -> table holding blocks, for check_invariants
+        self.cached: dict[bytes, int] = {}       # block hash -> the block holding that KV
+        self.hash_of: dict[int, bytes] = {}      # block -> the hash it is registered under
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,17 +85,64 @@ class BlockManager:
             raise RuntimeError(f"{table.owner}: needs {needed} KV blocks, only {len(self.free_block_ids)} free")
         self.tables[table.owner] = table
         for _ in range(needed):
-            block_id = self.free_block_ids.popleft()
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            self._evict(block_id)
             self.ref_counts[block_id] += 1
             table.block_ids.append(block_id)
 
     def free(self, table: BlockTable) -> None:
+        """Give back the table's blocks, its tail first: a cached prefix's last blocks are evicted first."""
         for block_id in reversed(table.block_ids):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         table.block_ids.clear()
         self.tables.pop(table.owner, None)
+
+    # --- prefix caching ---------------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest prefix of `hashes` (none without caching)."""
+        blocks = []
+        for block_hash in hashes if self.enable_caching else ():
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_free_after_hit(self, blocks: list[int]) -> int:
+        """Free blocks left once `blocks` (a hit) are taken: those of them on the free list leave it."""
+        return len(self.free_block_ids) - sum(1 for b in blocks if self.ref_counts[b] == 0 and self.unlist_hits)
+
+    def take_cached(self, table: BlockTable, blocks: list[int]) -> None:
+        """Start an empty `table` with a hit's blocks, shared (their counts go up)."""
+        assert not table.block_ids, table
+        self.tables[table.owner] = table
+        for block_id in blocks:
+            if self.ref_counts[block_id] == 0:
+                if self.unlist_hits:
+                    del self.free_block_ids[block_id]
+                self.ref_counts[block_id] += 1
+            elif self.count_shares:
+                self.ref_counts[block_id] += 1
+            table.block_ids.append(block_id)
+
+    def register(self, table: BlockTable, hashes: list[bytes]) -> None:
+        """Register the table's first len(hashes) blocks (full, their KV computed) under `hashes`. A hash
+        already registered keeps its block (this table's copy holds the same KV and stays private)."""
+        if not self.enable_caching:
+            return
+        for block_id, block_hash in zip(table.block_ids, hashes):
+            if block_hash not in self.cached and block_id not in self.hash_of:
+                self.cached[block_hash] = block_id
+                self.hash_of[block_id] = block_hash
+
+    def _evict(self, block_id: int) -> None:
+        if not self.evict_on_reuse:
+            return
+        block_hash = self.hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self.cached[block_hash]
 
     def slot_mapping(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Cache slots of positions start..end-1."""
@@ -78,9 +154,7 @@ class BlockManager:
         of tables holding it; free blocks have refcount 0 and appear once; `finished_tables` are empty.
         Run after every step of every property, so whole lists are compared first and searched only
         for the message."""
-        free = self.free_block_ids
-        if len(free) != len(set(free)):
-            raise AssertionError(f"a block is on the free list twice: {sorted(free)}")
+        free = list(self.free_block_ids)
         owners = [0] * self.num_blocks
         for table in self.tables.values():
             for block_id in table.block_ids:
@@ -94,6 +168,9 @@ class BlockManager:
         used = self.num_blocks - self.ref_counts.count(0)
         if len(free) + used != self.num_blocks:
             raise AssertionError(f"free {len(free)} + used {used} != total {self.num_blocks}")
+        if {b: h for h, b in self.cached.items()} != self.hash_of:
+            raise AssertionError(f"the hash -> block map and the block -> hash map disagree: {len(self.cached)} "
+                                 f"hashes, {len(self.hash_of)} registered blocks")
         for table in finished_tables:
             if table.block_ids:
                 raise AssertionError(f"{table.owner}: finished but still holds blocks {table.block_ids}")

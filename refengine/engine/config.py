@@ -27,6 +27,7 @@ class EngineConfig:
     fault: str | None = None          # the name of a catalogued bug to inject (refengine.engine.faults)
     scheduling_policy: str = "fcfs"   # the order of a step's chunks (SCHEDULING_POLICIES)
     scheduling_seed: int = 0          # "shuffled": with the step number, picks each step's permutation
+    enable_prefix_caching: bool = False  # share computed full KV blocks between requests (block_manager)
     injected: Fault | None = field(default=None, init=False, repr=False, compare=False)  # `fault`, resolved
 
     def __post_init__(self):
@@ -35,6 +36,8 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise RefengineError(f"scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)}, "
                                  f"got {self.scheduling_policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise RefengineError(f"enable_prefix_caching: must be true or false, got {self.enable_prefix_caching!r}")
         seed = self.scheduling_seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise RefengineError(f"scheduling_seed: must be a non-negative integer, got {seed!r}")
@@ -62,4 +65,4 @@ class EngineConfig:
 
 
 SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault",
-            "scheduling_policy", "scheduling_seed")
+            "scheduling_policy", "scheduling_seed", "enable_prefix_caching")

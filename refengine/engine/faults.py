@@ -31,6 +31,11 @@ class Fault(Enum):
     LOGPROB_NORMALIZATION = "logprob-normalization"
     HANG_UP_WITHOUT_ABORT = "hang-up-without-abort"
     SLOT_LEAK = "slot-leak"
+    PREFIX_HASH_NOT_CHAINED = "prefix-hash-not-chained"
+    CACHED_BLOCK_NOT_REFCOUNTED = "cached-block-not-refcounted"
+    EVICTED_BLOCK_STILL_CACHED = "evicted-block-still-cached"
+    CACHED_BLOCK_LEFT_ON_FREE_LIST = "cached-block-left-on-free-list"
+    CACHED_PREFIX_LAST_BLOCK_DROPPED = "cached-prefix-last-block-dropped"
 
 
 DESCRIPTIONS = {
@@ -78,6 +83,23 @@ DESCRIPTIONS = {
     Fault.HANG_UP_WITHOUT_ABORT:
         "the server notices that a streaming client hung up but never aborts its request: it runs to "
         "completion, holding its seat and KV blocks (serve layer)",
+    Fault.PREFIX_HASH_NOT_CHAINED:
+        "with prefix caching, a block is looked up by its own tokens only, not chained through the blocks "
+        "before it: a request whose block repeats another's after a different prefix takes that KV",
+    Fault.CACHED_BLOCK_NOT_REFCOUNTED:
+        "with prefix caching, a cache hit on a block another request holds does not count the new holder: "
+        "the first to finish frees the block while the other still reads it, and the next to allocate "
+        "overwrites it",
+    Fault.EVICTED_BLOCK_STILL_CACHED:
+        "with prefix caching, a free cached block handed out for new tokens stays registered under its old "
+        "hash: a later request with that prefix takes KV that has since been overwritten",
+    Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST:
+        "with prefix caching, a cache hit on a block that waits on the free list counts its new holder but "
+        "leaves it on the list: the next allocation hands it out again and overwrites KV still in use",
+    Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED:
+        "with prefix caching, a hit of n blocks counts n blocks of tokens as computed but puts only the first "
+        "n - 1 in the request's block table: the last block's positions map to a fresh block, whose stale "
+        "contents the request attends to",
     Fault.SLOT_LEAK:
         "an admission slot is not returned when a request ends by a hang-up (abort) or an error, so "
         "leaked slots turn into refused requests (serve layer)",

@@ -65,7 +65,12 @@ class LLMEngine:
         self.model = model
         self.keep_logits, self.digest_logits = keep_logits, digest_logits
         self.config = (config or EngineConfig()).resolved(model.config)
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        fault = self.config.injected
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching,
+                                          count_shares=fault is not Fault.CACHED_BLOCK_NOT_REFCOUNTED,
+                                          evict_on_reuse=fault is not Fault.EVICTED_BLOCK_STILL_CACHED,
+                                          unlist_hits=fault is not Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config)
         self.sequences: dict[str, Sequence] = {}
@@ -192,7 +197,7 @@ class LLMEngine:
                 seconds: float) -> None:
         self.trace.append({
             "step": step,
-            "scheduled": [{"id": c.seq.request_id, "phase": c.phase, "num_tokens": c.num_tokens}
+            "scheduled": [{"id": c.seq.request_id, "phase": c.phase, "start": c.start, "num_tokens": c.num_tokens}
                           for c in output.chunks],
             "preempted": [s.request_id for s in output.preempted], "aborted": aborted,
             "kv_blocks_used": kv_blocks_used})
@@ -229,7 +234,9 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.block_manager.num_used_blocks,
                 "kv_blocks_free": self.block_manager.num_free_blocks, "steps": self.num_steps,
-                "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size}
+                "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size,
+                "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+                "prefix_cache_hits": self.scheduler.prefix_cache_hits}
 
     def check_invariants(self) -> None:
         """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every

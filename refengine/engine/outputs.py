@@ -37,6 +37,7 @@ class RequestOutput:
     ttft_s: float | None
     tpot_steps: float | None   # steps per output token after the first
     tpot_s: float | None
+    num_cached_tokens: int = 0  # prompt tokens whose KV its first admission took from the prefix cache
 
     def to_json(self) -> dict:
         """The per-request object of the run-output format (FORMATS.md)."""
@@ -44,7 +45,8 @@ class RequestOutput:
                 "steps": [{"step": s.step, "token_id": s.token_id, "top2_margin": s.top2_margin,
                            "logits_sha256": s.logits_sha256} for s in self.steps],
                 "prompt_ids": self.prompt_ids, "num_preemptions": self.num_preemptions,
-                "ttft_steps": self.ttft_steps, "tpot_steps": self.tpot_steps}
+                "num_cached_tokens": self.num_cached_tokens, "ttft_steps": self.ttft_steps,
+                "tpot_steps": self.tpot_steps}
 
 
 def request_output(seq: Sequence) -> RequestOutput:
@@ -59,4 +61,5 @@ def request_output(seq: Sequence) -> RequestOutput:
         num_preemptions=seq.num_preemptions,
         ttft_steps=None if first is None else first - seq.arrival_step + 1, ttft_s=ttft_s,
         tpot_steps=(seq.records[-1].step - first) / (n - 1) if has_tpot else None,
-        tpot_s=(seq.finish_time - seq.first_token_time) / (n - 1) if has_tpot else None)
+        tpot_s=(seq.finish_time - seq.first_token_time) / (n - 1) if has_tpot else None,
+        num_cached_tokens=min(seq.num_cached_tokens or 0, len(seq.prompt_ids)))

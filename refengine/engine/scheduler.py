@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import RefengineError
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_hashes
 from .config import EngineConfig
 from .faults import Fault
 from .sequence import Sequence, SequenceStatus
@@ -60,6 +60,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._hashes = self._unchained_hashes if self.fault is Fault.PREFIX_HASH_NOT_CHAINED else self._chained_hashes
+        self.prefix_cache_queries = 0  # tokens looked up at admissions, and those found cached
+        self.prefix_cache_hits = 0     # (vLLM's vllm:prefix_cache_queries / _hits, in tokens)
 
     def check_admissible(self, seq: Sequence) -> None:
         """Reject what could never finish, instead of letting it wait forever."""
@@ -101,12 +104,18 @@ class Scheduler:
             index += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(self._remaining(seq), budget)
-            if not self.block_manager.can_allocate(seq.block_table, num_tokens):
+            hit = self._cached_prefix(seq)
+            cached = len(hit) * self.block_manager.block_size
+            if self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED:
+                hit = hit[:-1]  # its tokens still count as cached
+            num_tokens = min(self._remaining(seq) - cached, budget)
+            if self.block_manager.blocks_for(cached + num_tokens) - len(hit) > \
+                    self.block_manager.num_free_after_hit(hit):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._take_cached(seq, hit, cached)
             chunks.append(self._allocate(seq, num_tokens))
             budget -= num_tokens
         step, self.num_steps = self.num_steps, self.num_steps + 1
@@ -128,6 +137,33 @@ class Scheduler:
             return seq.num_prompt_tokens - seq.num_computed_tokens
         return seq.num_tokens - seq.num_computed_tokens
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks a joining sequence's tokens start with, all but its last token: that
+        one is always computed, so a full hit still yields the logits row it samples from."""
+        if not self.block_manager.enable_caching:
+            return []
+        return self.block_manager.cached_prefix(self._hashes(seq, seq.num_tokens - 1))
+
+    def _chained_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        return seq.block_hashes(num_tokens, self.block_manager.block_size)
+
+    def _unchained_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Fault.PREFIX_HASH_NOT_CHAINED: each full block hashed on its own tokens."""
+        size = self.block_manager.block_size
+        return [block_hashes(seq.token_ids[i:i + size], size)[0] for i in range(0, num_tokens // size * size, size)]
+
+    def _take_cached(self, seq: Sequence, hit: list[int], cached: int) -> None:
+        """Admit with the hit's blocks shared and their `cached` tokens counted as computed."""
+        if not self.block_manager.enable_caching:
+            return
+        if cached:
+            self.block_manager.take_cached(seq.block_table, hit)
+            seq.num_computed_tokens = cached
+        self.prefix_cache_queries += seq.num_tokens  # every admission, a readmission after preemption too
+        self.prefix_cache_hits += cached
+        if seq.num_cached_tokens is None:  # its first admission: what the request is told (usage)
+            seq.num_cached_tokens = cached
+
     def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         self.block_manager.allocate(seq.block_table, start + num_tokens)
@@ -145,12 +181,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, output: SchedulerOutput) -> None:
-        """The step's forward has written these tokens' KV."""
+        """The step's forward has written these tokens' KV: full blocks of it become cacheable."""
         for chunk in output.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and chunk.end == seq.num_prompt_tokens:
                 seq.num_computed_tokens = max(chunk.end, seq.num_tokens - 1)  # skips the generated tokens' KV
+            if self.block_manager.enable_caching:
+                self.block_manager.register(seq.block_table, self._hashes(seq, chunk.end))
 
     def finish(self, seq: Sequence, reason: str, step: int) -> None:
         if seq.status is SequenceStatus.RUNNING:

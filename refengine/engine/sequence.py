@@ -6,7 +6,7 @@ from enum import Enum
 
 from ..model.tokenizer import IncrementalDetokenizer
 from ..sampling import SamplingParams, StepRecord, cut_at_stop_string
-from .block_manager import BlockTable
+from .block_manager import BlockTable, block_hashes
 
 
 class SequenceStatus(Enum):
@@ -36,6 +36,8 @@ class Sequence:
         self.num_preemptions = 0
         self.emitted_text = ""
         self.final_events = 0  # TokenEvents with a finish_reason streamed so far: exactly 1 once finished
+        self.num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
+        self._block_hashes: list[bytes] = []  # of its full blocks so far (its tokens only ever grow)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,6 +59,15 @@ class Sequence:
     def max_num_tokens(self) -> int:
         """The most tokens this request can ever hold: prompt plus every allowed generated token."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+    def block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """The chained hashes of the full blocks of its first `num_tokens` tokens (block_manager)."""
+        full = num_tokens // block_size
+        if full > len(self._block_hashes):
+            done = len(self._block_hashes) * block_size
+            self._block_hashes += block_hashes(self.token_ids[done:full * block_size], block_size,
+                                               self._block_hashes[-1] if self._block_hashes else b"")
+        return self._block_hashes[:full]
 
     def is_decode(self, start: int, num_tokens: int) -> bool:
         """A chunk is a decode when it feeds exactly the last sampled token; anything else is prefill

@@ -47,6 +47,7 @@ class RequestStream:
     accepted: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the engine refused the request or is gone
     client_gone: Callable[[], bool] | None = None  # the worker's probe of its connection; None: never gone
+    num_cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (set before its events)
 
 
 class EngineThread(threading.Thread):
@@ -205,6 +206,7 @@ class EngineThread(threading.Thread):
     def _dispatch(self, events) -> None:
         for event in events:
             stream = self._streams[event.request_id]
+            stream.num_cached_tokens = self.engine.sequences[event.request_id].num_cached_tokens or 0
             if event.finish_reason is not None:  # counted before the worker can send the end
                 del self._streams[event.request_id]
                 self.engine.release(event.request_id)

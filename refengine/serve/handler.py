@@ -161,7 +161,7 @@ class Handler(BaseHTTPRequestHandler):
                 finish_reason = event.finish_reason
         except EngineStopped as e:
             raise ApiError(500, str(e), code="engine_stopped", type="server_error") from None
-        self._send_json(200, builder.response(tokens, finish_reason))
+        self._send_json(200, builder.response(tokens, finish_reason, self._cached(stream)))
 
     def _send_stream(self, request: GenerationRequest, stream: RequestStream, builder: ResponseBuilder) -> None:
         self.send_response(200)
@@ -180,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_event(ApiError(500, str(e), code="engine_stopped", type="server_error").body())
             return
         if request.include_usage:
-            self._send_event(builder.usage_chunk(num_generated))
+            self._send_event(builder.usage_chunk(num_generated, self._cached(stream)))
         self._send_event("[DONE]")
 
     def _events(self, stream: RequestStream):
@@ -198,6 +198,10 @@ class Handler(BaseHTTPRequestHandler):
                 yield event
                 if event.finish_reason is not None:
                     return
+
+    def _cached(self, stream: RequestStream) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens, on a server with prefix caching (as vLLM reports it)."""
+        return stream.num_cached_tokens if self.server.engine.config.enable_prefix_caching else None
 
     def _client_gone(self) -> bool:
         """A closed peer makes the socket readable with nothing to read. Called by the engine thread

@@ -28,6 +28,8 @@ COUNTERS = (
     ("refengine_requests_aborted", "requests_aborted", "Requests aborted (the client hung up)."),
     ("refengine_requests_rejected_busy", "requests_rejected_busy", "Requests refused with 503 (queue timeout)."),
     ("refengine_engine_steps", "steps", "Engine steps run."),
+    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
 )
 FINISH_REASONS = ("stop", "length")  # vllm:request_success_total{finished_reason}; aborts are counted apart
 

@@ -13,7 +13,8 @@ class ResponseBuilder:
         self.chat = request.kind == "chat"
         self._text_offset = 0  # completions logprobs report each token's offset in the text
 
-    def response(self, tokens: list[Generated], finish_reason: str) -> dict:
+    def response(self, tokens: list[Generated], finish_reason: str, cached: int | None = None) -> dict:
+        """`cached`: prompt tokens found in the prefix cache (None: the server caches none)."""
         text = "".join(t.text for t in tokens)
         choice = {"index": 0}
         if self.chat:
@@ -22,7 +23,7 @@ class ResponseBuilder:
             choice["text"] = text
         choice.update(self._common(tokens, finish_reason))
         choice["prompt_token_ids"] = self.request.prompt_ids
-        return {**self._header(), "choices": [choice], "usage": self._usage(len(tokens))}
+        return {**self._header(), "choices": [choice], "usage": self._usage(len(tokens), cached)}
 
     def chunk(self, tokens: list[Generated], finish_reason: str | None, first: bool) -> dict:
         text = "".join(t.text for t in tokens)
@@ -36,17 +37,18 @@ class ResponseBuilder:
             choice["prompt_token_ids"] = self.request.prompt_ids
         return {**self._header(chunk=True), "choices": [choice]}
 
-    def usage_chunk(self, num_generated: int) -> dict:
-        return {**self._header(chunk=True), "choices": [], "usage": self._usage(num_generated)}
+    def usage_chunk(self, num_generated: int, cached: int | None = None) -> dict:
+        return {**self._header(chunk=True), "choices": [], "usage": self._usage(num_generated, cached)}
 
     def _header(self, chunk: bool = False) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.request.request_id, "object": obj, "created": self.request.created,
                 "model": self.served_name}
 
-    def _usage(self, num_generated: int) -> dict:
+    def _usage(self, num_generated: int, cached: int | None) -> dict:
         prompt = len(self.request.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": num_generated, "total_tokens": prompt + num_generated}
+        usage = {"prompt_tokens": prompt, "completion_tokens": num_generated, "total_tokens": prompt + num_generated}
+        return usage if cached is None else {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _common(self, tokens: list[Generated], finish_reason: str | None) -> dict:
         return {"logprobs": self._logprobs(tokens), "finish_reason": finish_reason,

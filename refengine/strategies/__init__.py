@@ -9,6 +9,8 @@
 - schedules: 1-5 requests joining at steps 0-12, some aborted mid-flight, some leaving early with a
   small max_tokens, some asking for logprobs (the chosen token's, and 0-20 alternatives), over a KV
   pool fitted tight (preemption) or roomy.
+- shared_prefixes: those schedules with prefix caching on and prompts sharing prefixes (cut at block
+  edges and one token either side), so requests hit KV blocks other requests computed.
 - http_schedules: for a server over HTTP, 1-6 concurrent requests for golden cases, completions or
   chat, streamed or whole, arriving 0-50 ms after the start, some hanging up after 1-8 streamed chunks.
 
@@ -31,8 +33,10 @@ from .models import (
 from .prompts import MAX_PROMPT_LEN, edge_lengths, prompts
 from .sampling import SAMPLERS, seeded
 from .schedules import MAX_REQUESTS, MAX_TOKENS, requests, schedules
+from .shared_prefixes import shared_prefix_schedules
 
 __all__ = ["DEFAULT_MODEL", "HttpRequest", "MAX_HTTP_REQUESTS", "MAX_MODEL_LEN", "MAX_PROMPT_LEN", "MAX_REQUESTS",
            "MAX_TOKENS", "TINY_CONFIGS", "edge_lengths", "engine_settings", "http_schedules", "planned_requests",
-           "prompts", "requests", "SAMPLERS", "seeded", "schedules", "tiny_model", "tiny_model_dir",
+           "prompts", "requests", "SAMPLERS", "seeded", "schedules", "shared_prefix_schedules", "tiny_model",
+           "tiny_model_dir",
            "tiny_model_names"]

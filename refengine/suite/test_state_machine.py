@@ -2,9 +2,12 @@
 
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
 engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
-chunks: fcfs, prefill-first, shuffled).
+chunks: fcfs, prefill-first, shuffled), with prefix caching on or off; an added request may start
+with an earlier one's first tokens.
 After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
-aborted requests hold no block); no two live sequences share a block; each running sequence holds
+aborted requests hold no block, a registered hash maps to one block); two live sequences share a
+block only where it is a registered prefix block of both (the same hash at the same place in both
+prompts' chains: the same KV), never otherwise; each running sequence holds
 exactly the blocks its computed tokens need; a step never exceeds max_num_batched_tokens or
 max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
 follows a decode. At the end every request finishes and every block is free. A failure writes the
@@ -38,11 +41,11 @@ class SchedulerKVMachine(RuleBasedStateMachine):
 
     @initialize(max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), block_size=st.integers(1, 8),
                 num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), policy=scheduling_policies(),
-                data=st.data())
-    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, policy, data):
+                caching=st.booleans(), data=st.data())
+    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, policy, caching, data):
         settings = {"mode": "fast", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
                     "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128,
-                    "scheduling_policy": policy[0], "scheduling_seed": policy[1]}
+                    "scheduling_policy": policy[0], "scheduling_seed": policy[1], "enable_prefix_caching": caching}
         self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
         self.schedule = {"engine": settings, "requests": []}
         self.capacity = num_blocks * block_size
@@ -65,6 +68,11 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         max_tokens = data.draw(st.integers(1, min(MAX_TOKENS, self.capacity - 1)), label="max_tokens")
         length = data.draw(st.integers(1, min(MAX_PROMPT_LEN, self.capacity - max_tokens)), label="prompt length")
         prompt = [(7 * n + len(self.schedule["requests"])) % VOCAB_SIZE for n in range(length)]  # values don't matter here
+        source = data.draw(st.integers(-1, len(self.schedule["requests"]) - 1), label="shares the prefix of")
+        if source >= 0:
+            theirs = self.schedule["requests"][source]["prompt_ids"]
+            shared = data.draw(st.integers(1, min(len(theirs), length)), label="shared tokens")
+            prompt = theirs[:shared] + prompt[shared:]
         request_id = f"r{len(self.schedule['requests'])}"
         self.schedule["requests"].append({"id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens,
                                           "arrival_step": self.engine.num_steps})
@@ -119,12 +127,18 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         running = self.engine.scheduler.running
         self.check(len(running) <= self.engine.config.max_num_seqs,
                    f"{len(running)} running sequences, max_num_seqs {self.engine.config.max_num_seqs}")
-        owner = {}
+        owner, manager = {}, self.engine.block_manager
         for seq in self.engine.sequences.values():
-            for block in seq.block_table.block_ids:
-                self.check(block not in owner, f"block {block} is in the tables of both {owner.get(block)} and "
-                                               f"{seq.request_id}: one of them reads the other's KV")
-                owner[block] = seq.request_id
+            chain = seq.block_hashes(seq.num_computed_tokens, manager.block_size)
+            for index, block in enumerate(seq.block_table.block_ids):
+                if block in owner:
+                    other, other_index = owner[block]
+                    theirs = other.block_hashes(other.num_computed_tokens, manager.block_size)[index:index + 1]
+                    same = index == other_index and chain[index:index + 1] == theirs == [manager.hash_of.get(block)]
+                    self.check(same, f"block {block} is in the tables of both {other.request_id} and "
+                                     f"{seq.request_id}, not as a cached block of the same prefix: one of them "
+                                     f"reads the other's KV")
+                owner[block] = (seq, index)
             if seq.is_finished:
                 self.check(not seq.block_table.block_ids,
                            f"{seq.request_id} finished ({seq.finish_reason}) but holds blocks {seq.block_table.block_ids}")

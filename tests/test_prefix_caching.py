@@ -1,0 +1,85 @@
+"""Prefix caching (EngineConfig.enable_prefix_caching, engine/block_manager.py) on fixed examples:
+which tokens a hit covers, the counters, a preempted request taking its own blocks back, and that the
+shipped property (refengine/suite/test_prefix_caching.py) reaches hits, also under preemption."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+
+from refengine.check.driver import run_batched
+from refengine.check.schedule import parse_schedule
+from refengine.engine import EngineConfig, LLMEngine
+from refengine.sampling import SamplingParams
+from refengine.strategies import shared_prefix_schedules
+
+
+def test_the_property_reaches_cache_hits_and_hits_under_preemption(tiny_model):
+    """Within the dev profile's budget the drawn schedules hit the cache, and some while preempting."""
+    seen = {"hit": False, "hit while preempting": False}
+
+    @settings(max_examples=25, database=None, derandomize=True)
+    @given(schedule=shared_prefix_schedules("invariant"))
+    def look(schedule):
+        engine, failure = run_batched(tiny_model, parse_schedule(schedule, "coverage"),
+                                      parse_schedule(schedule, "coverage").engine, keep_logits=False)
+        assert failure is None, failure
+        status = engine.status()
+        seen["hit"] |= status["prefix_cache_hits"] > 0
+        seen["hit while preempting"] |= status["prefix_cache_hits"] > 0 and status["preemptions"] > 0
+
+    look()
+    assert all(seen.values()), seen
+
+
+def run(model, config: EngineConfig, prompts: dict[str, list[int]], max_tokens: int = 6) -> LLMEngine:
+    """Each prompt in turn, each run to its end before the next joins."""
+    engine = LLMEngine(model, config, keep_logits=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params=SamplingParams(max_tokens=max_tokens))
+        engine.run()
+        engine.check_invariants()
+    return engine
+
+
+@pytest.mark.parametrize("shared", [15, 16, 17, 32, 40])
+def test_cached_tokens_are_the_full_blocks_shared_and_never_the_last_token(tiny_model, shared):
+    """block_size 16: a prefix shared up to `shared` tokens hits its full blocks, and never the
+    prompt's last token (it yields the logits row the first token is sampled from)."""
+    base = [(7 * i + 3) % 500 for i in range(40)]
+    other = base[:shared] + [(11 * i + 5) % 500 for i in range(40 - shared)]
+    config = EngineConfig(mode="invariant", block_size=16, enable_prefix_caching=True)
+    engine = run(tiny_model, config, {"a": base, "b": other})
+    want = min(shared, len(other) - 1) // 16 * 16
+    assert engine.output("a").num_cached_tokens == 0 and engine.output("b").num_cached_tokens == want
+    assert (engine.status()["prefix_cache_queries"], engine.status()["prefix_cache_hits"]) == (80, want)
+    cold = run(tiny_model, EngineConfig(mode="invariant", block_size=16), {"b": other})
+    hot, alone = engine.output("b"), cold.output("b")
+    assert hot.token_ids == alone.token_ids
+    assert [s.logits_sha256 for s in hot.steps] == [s.logits_sha256 for s in alone.steps]
+
+
+def test_without_prefix_caching_nothing_is_shared(tiny_model):
+    prompt = list(range(3, 43))
+    engine = run(tiny_model, EngineConfig(mode="invariant", block_size=16), {"a": prompt, "b": prompt})
+    assert engine.output("b").num_cached_tokens == 0 and engine.status()["prefix_cache_hits"] == 0
+
+
+def test_a_preempted_request_finds_its_own_blocks_again(tiny_model):
+    """Two long requests in a pool that holds one: the younger is preempted (its blocks freed, still
+    registered) and on readmission takes back what is still cached; both answers equal their cold ones."""
+    prompts = {"a": [(5 * i + 1) % 500 for i in range(30)], "b": [(3 * i + 2) % 500 for i in range(30)]}
+    config = EngineConfig(mode="invariant", block_size=4, num_blocks=16, max_num_seqs=2,
+                          enable_prefix_caching=True)
+    engine = LLMEngine(tiny_model, config, keep_logits=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params=SamplingParams(max_tokens=24))
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    status = engine.status()
+    assert status["preemptions"] > 0 and status["prefix_cache_hits"] > 0  # nothing shared but its own KV
+    assert all(engine.output(rid).num_cached_tokens == 0 for rid in prompts)  # first admissions: cold
+    for rid, prompt in prompts.items():
+        cold = run(tiny_model, EngineConfig(mode="invariant", block_size=4), {rid: prompt}, max_tokens=24)
+        assert [s.logits_sha256 for s in engine.output(rid).steps] == \
+            [s.logits_sha256 for s in cold.output(rid).steps], rid
