@@ -62,4 +62,4 @@ def request_output(seq: Sequence) -> RequestOutput:
         ttft_steps=None if first is None else first - seq.arrival_step + 1, ttft_s=ttft_s,
         tpot_steps=(seq.records[-1].step - first) / (n - 1) if has_tpot else None,
         tpot_s=(seq.finish_time - seq.first_token_time) / (n - 1) if has_tpot else None,
-        num_cached_tokens=min(seq.num_cached_tokens or 0, len(seq.prompt_ids)))
+        num_cached_tokens=seq.num_cached_tokens or 0)

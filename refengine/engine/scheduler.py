@@ -109,7 +109,7 @@ class Scheduler:
             if self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED:
                 hit = hit[:-1]  # its tokens still count as cached
             num_tokens = min(self._remaining(seq) - cached, budget)
-            if self.block_manager.blocks_for(cached + num_tokens) - len(hit) > \
+            if self.block_manager.num_new_blocks(seq.block_table, cached + num_tokens) - len(hit) > \
                     self.block_manager.num_free_after_hit(hit):
                 break
             self.waiting.popleft()
