@@ -83,3 +83,27 @@ def test_a_preempted_request_finds_its_own_blocks_again(tiny_model):
         cold = run(tiny_model, EngineConfig(mode="invariant", block_size=4), {rid: prompt}, max_tokens=24)
         assert [s.logits_sha256 for s in engine.output(rid).steps] == \
             [s.logits_sha256 for s in cold.output(rid).steps], rid
+
+
+def test_untruthful_cached_tokens_fail_the_property(monkeypatch, tmp_path):
+    """The property's cached_tokens check can fail: an engine that computes right but reports no hit."""
+    from refengine.engine.scheduler import Scheduler
+    from refengine.strategies import DEFAULT_MODEL
+    from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure
+    from refengine.suite.test_prefix_caching import check_prefix_caching
+
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+    prompt = [(7 * i + 3) % 500 for i in range(20)]
+    schedule = {"engine": {"mode": "invariant", "block_size": 4, "max_model_len": 128, "enable_prefix_caching": True},
+                "requests": [{"id": "r0", "prompt_ids": prompt, "max_tokens": 2, "arrival_step": 0},
+                             {"id": "r1", "prompt_ids": prompt, "max_tokens": 2, "arrival_step": 4}]}
+    check_prefix_caching("prefix-caching-is-exact", DEFAULT_MODEL, schedule)  # r1 hits 16 tokens, truthfully
+    take = Scheduler._take_cached
+
+    def forgets(self, seq, hit, cached):
+        take(self, seq, hit, cached)
+        seq.num_cached_tokens = 0
+
+    monkeypatch.setattr(Scheduler, "_take_cached", forgets)
+    with pytest.raises(PropertyFailure, match="r1: reports 0 cached tokens, its first chunk started at 16"):
+        check_prefix_caching("prefix-caching-is-exact", DEFAULT_MODEL, schedule)

@@ -127,12 +127,13 @@ class BlockManager:
                 self.ref_counts[block_id] += 1
             table.block_ids.append(block_id)
 
-    def register(self, table: BlockTable, hashes: list[bytes]) -> None:
-        """Register the table's first len(hashes) blocks (full, their KV computed) under `hashes`. A hash
-        already registered keeps its block (this table's copy holds the same KV and stays private)."""
+    def register(self, table: BlockTable, hashes: list[bytes], first: int = 0) -> None:
+        """Register the table's blocks `first` .. len(hashes) - 1 (full, their KV computed) under those
+        `hashes`. A hash already registered keeps its block (this table's copy holds the same KV and stays
+        private)."""
         if not self.enable_caching:
             return
-        for block_id, block_hash in zip(table.block_ids, hashes):
+        for block_id, block_hash in zip(table.block_ids[first:], hashes[first:]):
             if block_hash not in self.cached and block_id not in self.hash_of:
                 self.cached[block_hash] = block_id
                 self.hash_of[block_id] = block_hash

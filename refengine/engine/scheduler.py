@@ -61,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._hashes = self._unchained_hashes if self.fault is Fault.PREFIX_HASH_NOT_CHAINED else self._chained_hashes
+        self._drop_last_hit = self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED
         self.prefix_cache_queries = 0  # tokens looked up at admissions, and those found cached
         self.prefix_cache_hits = 0     # (vLLM's vllm:prefix_cache_queries / _hits, in tokens)
 
@@ -106,8 +107,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._cached_prefix(seq)
             cached = len(hit) * self.block_manager.block_size
-            if self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED:
-                hit = hit[:-1]  # its tokens still count as cached
+            if self._drop_last_hit:  # Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED: its tokens still count as cached
+                hit = hit[:-1]
             num_tokens = min(self._remaining(seq) - cached, budget)
             if self.block_manager.num_new_blocks(seq.block_table, cached + num_tokens) - len(hit) > \
                     self.block_manager.num_free_after_hit(hit):
@@ -187,8 +188,9 @@ class Scheduler:
             seq.num_computed_tokens = chunk.end
             if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and chunk.end == seq.num_prompt_tokens:
                 seq.num_computed_tokens = max(chunk.end, seq.num_tokens - 1)  # skips the generated tokens' KV
-            if self.block_manager.enable_caching:
-                self.block_manager.register(seq.block_table, self._hashes(seq, chunk.end))
+            if self.block_manager.enable_caching:  # the blocks this chunk filled; earlier ones had their turn
+                self.block_manager.register(seq.block_table, self._hashes(seq, chunk.end),
+                                            chunk.start // self.block_manager.block_size)
 
     def finish(self, seq: Sequence, reason: str, step: int) -> None:
         if seq.status is SequenceStatus.RUNNING:
