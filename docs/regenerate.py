@@ -132,6 +132,11 @@ def summary(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith(("match ", "report:", "repro:"))]
 
 
+def cache_lines(lines: list[str]) -> list[str]:
+    """validate's prefix-cache lines and its verdict."""
+    return [line for line in lines if line.startswith(("prefix cache:", "note: ", "match "))]
+
+
 def pytest_failure(lines: list[str]) -> list[str]:
     """What pytest says of the first failure (its `E` lines, up to Hypothesis's explanation) and its tally."""
     failure = [line for line in lines if line.startswith("E  ")]
@@ -154,6 +159,8 @@ def against_servers(work: Work) -> None:
              "validate-clean")
     work.run([*validate, "--url", faulty, "--golden", "golden/tiny.jsonl", "--report", "report-faulty.json",
               "--repro", "repro-faulty.json"], "validate-faulty")
+    work.run([*validate, "--url", clean, "--golden", "refengine/data/golden/tiny-chat-conversations.jsonl",
+              "--repeat", "2", "--report", "report-conversations.json"], "validate-conversations", keep=cache_lines)
     work.run(["refengine", "validate", "--replay", "repro-faulty.json", "--url", faulty, "--report", "again.json",
               "--repro", "again-repro.json"], "validate-replay-faulty", keep=summary)
     work.run(["refengine", "validate", "--replay", "repro-faulty.json", "--url", clean, "--report", "again.json"],

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from refengine.bench.kestrel import SHORT_TOKENS
+from refengine.bench.prefix import QUESTIONS, SYSTEM_TOKENS
 from refengine.bench.reference import (
     SEED_PROMPTS,
     reference_report,
@@ -36,7 +37,7 @@ def report(tmp_path_factory):
     plot = tmp_path_factory.mktemp("bench") / "sweep.png"
     args = ["bench", "--requests", REQUESTS, "--prompt-len", PROMPT_LEN, "--max-tokens", MAX_TOKENS,
             "--serial-requests", SERIAL_REQUESTS, "--batch-sizes", "1,2",
-            "--scenario", "decode,kestrel,reference,suite", "--examples", EXAMPLES, "--plot", plot, "--json"]
+            "--scenario", "decode,kestrel,prefix,reference,suite", "--examples", EXAMPLES, "--plot", plot, "--json"]
     done = subprocess.run([sys.executable, "-m", "refengine", *map(str, args)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
@@ -110,6 +111,15 @@ def test_kestrel_runs_short_and_long_answers_serial_and_batched(report):
             assert 0 < runs[mode]["latency_s_first"] <= runs[mode]["latency_s_mean"]
             assert workload["batched_speedup"][mode] == pytest.approx(runs["serial"]["wall_s"] / runs[mode]["wall_s"])
         assert workload["predicted_s"]["serial"] > workload["predicted_s"]["batched"] > 0
+
+
+def test_prefix_runs_a_shared_system_prompt_cold_and_hot(report):
+    prefix = report[0]["prefix"]
+    assert (prefix["system_tokens"], prefix["questions"]) == (SYSTEM_TOKENS, QUESTIONS)
+    for mode in ("fast", "invariant"):
+        run = prefix[mode]
+        assert run["hot_cached_tokens"] == SYSTEM_TOKENS // 16 * 16  # every full block of the system prompt
+        assert run["cold_ttft_ms"] > 0 and run["hot_ttft_ms"] > 0 and run["cold_over_hot"] > 0
 
 
 def _check_refresh_runs(reference: dict, cases) -> None:

@@ -193,7 +193,14 @@ def vllm_metrics(load: dict):
         "# TYPE vllm:iteration_tokens_total histogram\n"
         f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf",model_name="m"}} {load.get("steps", 0)}.0\n'
         f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {load.get("steps", 0)}.0\n'
-        f'vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} 0.0\n')
+        f'vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} 0.0\n'
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {load.get("cache_queries", 0)}.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {load.get("cache_hits", 0)}.0\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+        'num_gpu_blocks="2048"} 1.0\n')
 
 
 def llamacpp_metrics(load: dict):

@@ -30,7 +30,6 @@ from refengine.suite.harness import (
     other_budgets,
 )
 from refengine.suite.test_finish import check_finish, finish_schedules
-from refengine.suite.test_prefix_caching import check_prefix_caching
 from refengine.suite.test_state_machine import SchedulerKVMachine
 
 pytestmark = pytest.mark.invariants
@@ -63,7 +62,7 @@ PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property wi
         lambda example, fault: check_finish("finish-semantics", *example, fault=fault)),
     "prefix-caching-is-exact": (
         st.tuples(tiny_model_names(), shared_prefix_schedules("invariant")),
-        lambda example, fault: check_prefix_caching("prefix-caching-is-exact", *example, fault=fault)),
+        lambda example, fault: check("prefix-caching-is-exact", *example, fault=fault)),
 }
 CAUGHT_BY = {
     "stale-block-table-after-preemption": "invariant-mode-is-exact",
@@ -87,8 +86,12 @@ CAUGHT_BY = {
     "evicted-block-still-cached": "prefix-caching-is-exact",
     "cached-block-left-on-free-list": "prefix-caching-is-exact",
     "cached-prefix-last-block-dropped": "prefix-caching-is-exact",
+    "cache-salt-ignored": "prefix-caching-is-exact",
+    "cached-block-with-uncomputed-token": "prefix-caching-is-exact",
 }
-STATE_MACHINE_CATCHES = ("abort-leaks-blocks", "stale-block-table-after-preemption")
+STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
+                         "evicted-block-still-cached": "holds other KV than when it was registered",
+                         "cache-salt-ignored": "reads KV computed for something else"}
 
 
 def dev_profile():
@@ -137,7 +140,7 @@ def test_dev_profile_finds_and_shrinks(fault, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("fault", STATE_MACHINE_CATCHES)
 def test_state_machine_finds_kv_faults(fault, tmp_path, monkeypatch):
-    """The state machine's own invariants see these two directly (no shrinking here: shrinking rule
+    """The state machine's own invariants see these directly (no shrinking here: shrinking rule
     sequences is slow, and the shrunk repro of each comes from the test above)."""
     monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
 
@@ -145,7 +148,7 @@ def test_state_machine_finds_kv_faults(fault, tmp_path, monkeypatch):
         pass
 
     FaultyEngine.fault = fault
-    with pytest.raises(PropertyFailure, match="KV accounting"):
+    with pytest.raises(PropertyFailure, match=STATE_MACHINE_CATCHES[fault]):
         run_state_machine_as_test(FaultyEngine, settings=settings(dev_profile(), phases=[Phase.generate]))
 
 

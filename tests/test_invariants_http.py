@@ -28,6 +28,7 @@ from refengine.suite.harness import PropertyFailure
 from refengine.suite.plugin import HTTP_MAX_WAITING
 from refengine.suite.test_http import (
     answers_match_golden,
+    cold_warm_evicted,
     connect,
     hang_ups_are_aborts,
     http_property,
@@ -80,13 +81,15 @@ def long_golden(tiny_model, tmp_path_factory):
 
 
 def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lambda schedule: True,
-         golden=None, **server_settings):
+         golden=None, engine=None, **server_settings):
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
     derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
     PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough.
-    `golden`: the cases the schedules draw (default: the tiny model's shipped golden file)."""
-    faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault),
+    `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
+    EngineConfig settings."""
+    faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,
+                                                   **(engine or {})),
                           host="127.0.0.1", **server_settings)
     faulty.start()
     def on_faulty_server(server, schedule):
@@ -132,6 +135,18 @@ def test_a_leaked_admission_slot_is_found_and_shrinks(tiny_model, long_golden, t
     shrunk, _ = hunt(tiny_model, "slot-leak", server_drains, "server_drains_on_faulty_server",
                      "admission slots taken", small_enough=one_hang_up, golden=long_golden, max_waiting=5000)
     assert len(shrunk) == 1 and shrunk[0].stream and shrunk[0].cancel_after is not None, shrunk
+
+
+@pytest.mark.parametrize("fault, leg", [("evicted-block-still-cached", "after eviction"),
+                                       ("cached-prefix-last-block-dropped", "warm")])
+def test_a_served_prefix_cache_fault_fails_the_cold_warm_evicted_property(fault, leg, tiny_model, tmp_path,
+                                                                          monkeypatch):
+    """With the in-process suite server's cache (8-token blocks, a 1,024-token pool): a block reused
+    while still registered is found after the eviction pressure; a hit missing its last block, warm."""
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
+    hunt(tiny_model, fault, cold_warm_evicted, "cold_warm_evicted_on_faulty_server",
+         rf"^{leg}: answers that fail the margin rule|cold vs {leg}:",
+         engine={"block_size": 8, "num_blocks": 128, "enable_prefix_caching": True})
 
 
 def test_with_few_waiting_slots_a_slot_leak_is_refused_requests(tiny_model, long_golden, tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 the package (a boundary, a dropped condition, a swapped source), and the tests named with it must fail
 on that copy. A mutant whose text is no longer in its module fails here too, so the list cannot rot.
 Covers validate/aborts, validate/bounds, validate/effects, validate/junit, the finish-reason dialect
-of validate/baseline and board's abort count (slow: a pytest run per mutant)."""
+of validate/baseline, board's abort count, validate/cache with the cached-token figures it reads,
+the cache groups and salts, and check/prefix_cache (slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ABORTS, BOUNDS, EFFECTS, JUNIT = (f"refengine/validate/{m}.py" for m in ("aborts", "bounds", "effects", "junit"))
 T_ABORTS = ["tests/test_aborts.py"]
 T_EFFECTS = ["tests/test_effects.py"]
+CACHE, T_CACHE = "refengine/validate/cache.py", ["tests/test_validate_cache.py"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
@@ -59,6 +61,29 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      T_EFFECTS),
     (JUNIT, '            if batching.get("verdict") == "diverged":', '            if False:', T_EFFECTS),
     (JUNIT, 'skipped += 1', 'skipped += 0', T_EFFECTS),
+    # the prefix cache's part of the report and where its figures come from
+    (CACHE, '"hits": sum(1 for c in reported if c > 0)}', '"hits": sum(1 for c in reported if c >= 0)}', T_CACHE),
+    (CACHE, 'return r.get("cache", "warm") if salt_sent else "warm"', 'return r.get("cache", "warm")', T_CACHE),
+    (CACHE, 'for r in groups["cold"] if r.get("cached_tokens")]', 'for r in requests if r.get("cached_tokens")]',
+     T_CACHE),
+    (CACHE, '"load": load}', '"load": _counters(start, end)}', T_CACHE),
+    (CACHE, '"hits": after.cache_hits - before.cache_hits', '"hits": after.cache_hits', T_CACHE),
+    (CACHE, '"cached_tokens": sum(reported) if reported else None', '"cached_tokens": sum(reported)', T_CACHE),
+    (CACHE, '**({"batching": {k: batching.count(k) for k in KINDS}} if batching else {})',
+     '"batching": {k: batching.count(k) for k in KINDS}', T_CACHE),
+    ("refengine/validate/wire.py", '_dict(obj.get("timings")).get("cache_n")):', "):", T_CACHE),
+    ("refengine/validate/wire.py", "cached_tokens(chunk) if cached_tokens(chunk) is not None else self.cached_tokens",
+     "cached_tokens(chunk)", T_CACHE),
+    ("refengine/validate/plan.py", "CACHE[rank * len(CACHE) // len(planned)]", "CACHE[rank % 2]", T_CACHE),
+    ("refengine/validate/dialect.py", '"shared": f"{self.salt}:load"}', '"shared": self.salt}', T_CACHE),
+    ("refengine/validate/repro.py", 'cache=r.get("cache", "warm")))', "))", T_CACHE),
+    ("refengine/validate/drain.py", '("cache_queries", "prefix_cache_queries"), ("cache_hits", "prefix_cache_hits"))}',
+     ")}", T_CACHE),
+    ("refengine/check/prefix_cache.py", "if reported != start:", "if False:", ["tests/test_prefix_caching.py"]),
+    ("refengine/check/prefix_cache.py", "if other != rid and salts[other] == salts[rid]), default=0)",
+     "if other != rid), default=0)", ["tests/test_invariants_faults.py", "-k", "cache-salt-ignored and dev"]),
+    ("refengine/check/replay.py", "if config.enable_prefix_caching and failure is None:", "if False:",
+     ["tests/test_prefix_caching.py"]),
 ]
 
 

@@ -10,22 +10,28 @@ from refengine.check.driver import run_batched
 from refengine.check.schedule import parse_schedule
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.sampling import SamplingParams
-from refengine.strategies import shared_prefix_schedules
+from refengine.strategies import DEFAULT_MODEL, shared_prefix_schedules
+from refengine.suite.harness import resolve_continuations
 
 
 def test_the_property_reaches_cache_hits_and_hits_under_preemption(tiny_model):
-    """Within the dev profile's budget the drawn schedules hit the cache, and some while preempting."""
-    seen = {"hit": False, "hit while preempting": False}
+    """Within the dev profile's budget the drawn schedules hit the cache, some while preempting, and some
+    take blocks that hold an earlier request's answer (a conversation resent with it)."""
+    seen = {"hit": False, "hit while preempting": False, "hit on an answer's blocks": False}
 
     @settings(max_examples=25, database=None, derandomize=True)
     @given(schedule=shared_prefix_schedules("invariant"))
     def look(schedule):
-        engine, failure = run_batched(tiny_model, parse_schedule(schedule, "coverage"),
-                                      parse_schedule(schedule, "coverage").engine, keep_logits=False)
+        resolved = resolve_continuations(DEFAULT_MODEL, schedule)
+        engine, failure = run_batched(tiny_model, parse_schedule(resolved, "coverage"),
+                                      parse_schedule(resolved, "coverage").engine, keep_logits=False)
         assert failure is None, failure
         status = engine.status()
         seen["hit"] |= status["prefix_cache_hits"] > 0
         seen["hit while preempting"] |= status["prefix_cache_hits"] > 0 and status["preemptions"] > 0
+        prompts = {r["id"]: len(r["prompt_ids"]) for r in resolved["requests"]}
+        seen["hit on an answer's blocks"] |= any(engine.output(r["id"]).num_cached_tokens > prompts[r["continues"]]
+                                                for r in schedule["requests"] if "continues" in r)
 
     look()
     assert all(seen.values()), seen
@@ -89,15 +95,14 @@ def test_untruthful_cached_tokens_fail_the_property(monkeypatch, tmp_path):
     """The property's cached_tokens check can fail: an engine that computes right but reports no hit."""
     from refengine.engine.scheduler import Scheduler
     from refengine.strategies import DEFAULT_MODEL
-    from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure
-    from refengine.suite.test_prefix_caching import check_prefix_caching
+    from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure, check
 
     monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
     prompt = [(7 * i + 3) % 500 for i in range(20)]
     schedule = {"engine": {"mode": "invariant", "block_size": 4, "max_model_len": 128, "enable_prefix_caching": True},
                 "requests": [{"id": "r0", "prompt_ids": prompt, "max_tokens": 2, "arrival_step": 0},
                              {"id": "r1", "prompt_ids": prompt, "max_tokens": 2, "arrival_step": 4}]}
-    check_prefix_caching("prefix-caching-is-exact", DEFAULT_MODEL, schedule)  # r1 hits 16 tokens, truthfully
+    check("prefix-caching-is-exact", DEFAULT_MODEL, schedule)  # r1 hits 16 tokens, truthfully
     take = Scheduler._take_cached
 
     def forgets(self, seq, hit, cached):
@@ -106,4 +111,4 @@ def test_untruthful_cached_tokens_fail_the_property(monkeypatch, tmp_path):
 
     monkeypatch.setattr(Scheduler, "_take_cached", forgets)
     with pytest.raises(PropertyFailure, match="r1: reports 0 cached tokens, its first chunk started at 16"):
-        check_prefix_caching("prefix-caching-is-exact", DEFAULT_MODEL, schedule)
+        check("prefix-caching-is-exact", DEFAULT_MODEL, schedule)

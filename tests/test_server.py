@@ -483,6 +483,16 @@ def test_prefix_caching_reports_cached_tokens_and_counts_hits(tiny_model, stream
         code, data = call(server.url, "GET", "/metrics")
         metrics = {s.name: s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples}
         assert (metrics["vllm:prefix_cache_queries_total"], metrics["vllm:prefix_cache_hits_total"]) == (80, 32)
+        salted = {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "cache_salt": "tenant-a"}
+        other = generate(server, "completion", salted, stream=stream)  # vLLM's cache_salt: shares with no other salt
+        assert other["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert other["token_ids"] == first["token_ids"]
+        assert generate(server, "completion", salted, stream=stream)["usage"]["prompt_tokens_details"] == \
+            {"cached_tokens": 32}
+        for bad in ("", 7):
+            code, data = call(server.url, "POST", "/v1/completions", {**salted, "cache_salt": bad})
+            assert code == 400 and json.loads(data)["error"]["param"] == "cache_salt"
+        assert status_of(server)["in_flight"] == 0  # refused before admission: nothing lost
     finally:
         server.close()
     server = start_server(tiny_model, block_size=16)

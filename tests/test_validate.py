@@ -191,7 +191,8 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert len(requests) == 2 * len(read_golden(GOLDEN).cases)
     assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
     assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, logprobs when asked
-        "return_token_ids": "sent", "no_done_marker": False, "streams_without_done": 0, "probe_requests": 2,
+        "return_token_ids": "sent", "cache_salt": "sent", "no_done_marker": False, "streams_without_done": 0,
+        "probe_requests": 2,
         "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": True, "logprobs": True,
                                     "prompt_token_ids": True} for api in ("chat", "completions")}}
     assert "-> PASS" in out

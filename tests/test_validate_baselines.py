@@ -145,3 +145,29 @@ def test_a_hang_up_the_server_does_not_abort_fails_the_run(serve, tmp_path, faul
     assert aborts["alone"]["counted"] == (0 if fault else 1) and aborts["alone"]["ok"] is (fault is None)
     assert aborts["must"] + aborts["unproven"], "the schedule has no hang-up of a long answer"  # seed 0: two
     assert (code == 0) is (fault is None) and report["summary"]["passed"] is (fault is None)
+
+
+def test_with_prefix_caching_a_join_fault_shows_in_the_cold_requests(serve, tmp_path):
+    """`refengine serve`'s default: the alone answers leave their prompts' KV in the cache, so a warm
+    request's prefill is mostly a hit; the cold ones (a cache_salt of their own) compute theirs in the
+    running batch, where the join fault lives."""
+    url = serve("position-off-by-one-on-join", enable_prefix_caching=True, block_size=4)
+    code, report = validate(tmp_path, "--url", url, "--golden", str(GOLDEN), "--repeat", "2")
+    cache = report["cache"]
+    assert code == 1 and cache["cache_salt"] == "sent" and cache["cold"]["diverged"] > 0
+    requests = 2 * len(read_golden(GOLDEN).cases)
+    assert [cache[g]["requests"] for g in ("cold", "shared", "warm")] == [requests // 3] * 3
+    assert cache["cold"]["cached_tokens"] == 0 and cache["shared"]["cached_tokens"] > 0
+    assert cache["warm"]["cached_tokens"] > 0 and cache["cold_with_cached_tokens"] == []
+    assert cache["counters"]["load"]["hits"] == cache["shared"]["cached_tokens"] + cache["warm"]["cached_tokens"]
+    repro = json.loads((tmp_path / "repro.json").read_text())
+    assert sum(r.get("cache") == "cold" for r in repro["requests"]) == cache["cold"]["requests"]
+    code, again = validate(tmp_path, "--url", url, "--replay", str(tmp_path / "repro.json"))
+    assert code == 1 and again["cache"]["cold"]["diverged"] > 0  # replayed cold, under the replay's own salt
+
+
+def test_a_server_that_ignores_cache_salt_is_noted(serve, tmp_path, capsys):
+    url = serve("cache-salt-ignored", enable_prefix_caching=True, block_size=4)
+    code, report = validate(tmp_path, "--url", url, "--golden", str(GOLDEN))
+    assert code == 0 and report["cache"]["cold_with_cached_tokens"]  # right answers; the isolation is gone
+    assert "ignores cache_salt" in capsys.readouterr().out

@@ -16,12 +16,13 @@ from ..model import Model
 from ..sampling import SamplingParams
 from .interleaved import against_probe, interleaved_ratio, modes_ratio
 from .kestrel import kestrel_report, run_kestrel
+from .prefix import print_prefix, run_prefix
 from .reference import print_reference, reference_report, refresh_cases, run_reference
 from .roofline import Roofline, measure_machine
 from .suite import print_suite, run_suite
 from .workloads import batch_sweep, random_requests
 
-SCENARIOS = ("decode", "kestrel", "reference", "suite")
+SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite")
 DEFAULT_MAX_TOKENS = 128
 # The performance issue's goals, each a ratio measured in this run: a step's share of its roofline
 # (the median over steps of roofline step / step, each at the machine figure measured right after
@@ -228,6 +229,7 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     before = measure_machine()
     decode = _run_decode(model, args, Roofline.of(model.config, before)) if "decode" in args.scenarios else None
     kestrel = run_kestrel(model, modes, args.new_tokens) if "kestrel" in args.scenarios else None
+    prefix = run_prefix(model, modes) if "prefix" in args.scenarios else None
     reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
     suite = run_suite(args.examples) if "suite" in args.scenarios else None
     machine = before.best(measure_machine())
@@ -241,6 +243,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
         report["decode"] = _decode(model, args, *decode, machine, roofline)
     if kestrel is not None:
         report["kestrel"] = kestrel_report(kestrel, roofline)
+    if prefix is not None:
+        report["prefix"] = prefix
     if reference is not None:
         report["reference"] = reference_report(reference, machine)
     if suite is not None:
@@ -266,6 +270,8 @@ def print_report(report: dict) -> None:
         _print_decode(report["decode"])
     if "kestrel" in report:
         _print_kestrel(report["kestrel"])
+    if "prefix" in report:
+        print_prefix(report["prefix"])
     if "reference" in report:
         print_reference(report["reference"])
     if "suite" in report:

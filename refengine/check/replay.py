@@ -7,7 +7,8 @@ mode must match bit for bit (token ids and logits sha256); fast mode, and any co
 float64 reference, is judged by the margin rule with the model's calibrated tolerance. Where a
 request asked for logprobs (its `logprobs` key), every agreeing step's reported logprobs are judged
 too: bit-identical in invariant mode, else within twice the logit tolerance of the baseline row's
-float64 log-softmax (check.comparison.logprob_tolerance).
+float64 log-softmax (check.comparison.logprob_tolerance). With prefix caching on, the run's hits are
+judged too (check.prefix_cache): a misreported or unsourced hit fails it as an engine failure.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .comparison import (
 )
 from .driver import configured, run_alone, run_batched, settings_text
 from .margin_rule import Verdict, describe, tolerance
+from .prefix_cache import cache_problems
 from .schedule import Schedule, ScheduledRequest
 
 AGAINST = {
@@ -139,6 +141,9 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
     config = configured(schedule.engine, mode, fault)
     engine, failure = run_batched(model, schedule, config, on_events=on_events)
     outputs = engine.outputs()
+    if config.enable_prefix_caching and failure is None:
+        problems = cache_problems(schedule, outputs, engine.trace)
+        failure = "prefix cache: " + "; ".join(problems) if problems else None
     exact = config.mode == "invariant" and against != "reference"
     bound = "f32_vs_f64" if against == "reference" else "f32_batched_vs_serial"
     tol = None if exact else tolerance(calibration, bound)

@@ -23,7 +23,7 @@ from ..sampling import SamplingParams
 ENGINE_KEYS = set(SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs"}
+                "stop_token_ids", "ignore_eos", "logprobs", "cache_salt"}
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
 
 
@@ -35,6 +35,7 @@ class ScheduledRequest:
     arrival_step: int
     abort_step: int | None
     logprobs: int | None = None  # alternatives requested per step (0: the chosen token's only); None: no logprobs
+    cache_salt: str | None = None  # shares cached KV blocks only with requests of the same salt
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
     logprobs = raw.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise RefengineError(f"{where}.logprobs: expected an integer >= 0 (alternatives per step), got {logprobs!r}")
+    cache_salt = raw.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise RefengineError(f"{where}.cache_salt: expected a non-empty string, got {cache_salt!r}")
     try:
         params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
@@ -93,7 +97,7 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
                                 logprobs=0 if logprobs is None else max(logprobs, 1))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
-    return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs)
+    return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt)
 
 
 def parse_schedule(data, source: str = "<schedule>") -> Schedule:

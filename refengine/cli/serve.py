@@ -50,9 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="the order of each step's chunks (outputs must not depend on it)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="share computed KV blocks between requests with a common prompt prefix, as vLLM, "
-                        "SGLang and llama.cpp do by default (default: off, see docs/concepts/engine.md)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share computed KV blocks between requests with a common prompt prefix (and the same "
+                        "cache_salt), as vLLM, SGLang and llama.cpp do by default")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may queue beyond the running batch before new ones wait for a slot")
     p.add_argument("--queue-timeout", type=float, default=30.0,

@@ -6,12 +6,14 @@ number of tables holding it, and `check_invariants` proves the accounting adds u
 
 With prefix caching (vLLM's automatic prefix caching), a FULL block whose KV has been computed is
 registered under a hash chained through its parent block's hash and its own token ids
-(block_hashes), so equal hashes mean equal tokens from position 0 on: the same KV. A sequence joining
-takes the longest chain of registered blocks its tokens start with (`take_cached`), sharing them
-read-only (never written: a hit covers full blocks only, and a sequence writes past its cached
-tokens). A freed block keeps its registration while it sits on the free list, which is kept in
-least-recently-freed order: allocation takes from its front and un-registers what it takes (an
-evicted block is never found again through its old hash), a hit takes the block off the list.
+(block_hashes), so equal hashes mean equal tokens from position 0 on: the same KV. A request's
+`cache_salt` (vLLM's) is the first block's parent (salt_root): requests with different salts share
+no block, whatever their tokens. A sequence joining takes the longest chain of registered blocks its
+tokens start with (`take_cached`), sharing them read-only (never written: a hit covers full blocks
+only, and a sequence writes past its cached tokens). A freed block keeps its registration while it
+sits on the free list, which is kept in least-recently-freed order: allocation takes from its front
+and un-registers what it takes (an evicted block is never found again through its old hash), a hit
+takes the block off the list.
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> 
         parent = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in block)).digest()
         hashes.append(parent)
     return hashes
+
+
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: none without a salt, else the salt's own hash."""
+    return b"" if cache_salt is None else hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()
 
 
 class BlockManager:

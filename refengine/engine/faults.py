@@ -36,6 +36,8 @@ class Fault(Enum):
     EVICTED_BLOCK_STILL_CACHED = "evicted-block-still-cached"
     CACHED_BLOCK_LEFT_ON_FREE_LIST = "cached-block-left-on-free-list"
     CACHED_PREFIX_LAST_BLOCK_DROPPED = "cached-prefix-last-block-dropped"
+    CACHE_SALT_IGNORED = "cache-salt-ignored"
+    CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN = "cached-block-with-uncomputed-token"
 
 
 DESCRIPTIONS = {
@@ -100,6 +102,14 @@ DESCRIPTIONS = {
         "with prefix caching, a hit of n blocks counts n blocks of tokens as computed but puts only the first "
         "n - 1 in the request's block table: the last block's positions map to a fresh block, whose stale "
         "contents the request attends to",
+    Fault.CACHE_SALT_IGNORED:
+        "with prefix caching, a request's cache_salt is left out of its block hashes: requests that chose "
+        "different salts to keep their caches apart take each other's KV blocks (the answers stay right; the "
+        "isolation the salt promises is gone)",
+    Fault.CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN:
+        "with prefix caching, a block is registered as soon as the token that fills it is sampled, before "
+        "its KV is computed: a finished request's answer ends in a token whose KV was never written, and a "
+        "conversation resent with that answer appended takes the block and attends to the unwritten slot",
     Fault.SLOT_LEAK:
         "an admission slot is not returned when a request ends by a hang-up (abort) or an error, so "
         "leaked slots turn into refused requests (serve layer)",

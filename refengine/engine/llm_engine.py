@@ -44,7 +44,7 @@ from ..sampling import (
     ranked_logprobs,
     sample_token,
 )
-from .block_manager import BlockManager
+from .block_manager import BlockManager, salt_root
 from .config import EngineConfig
 from .faults import Fault
 from .kernels import top2
@@ -85,9 +85,14 @@ class LLMEngine:
         self._cut_crossing_token = self.config.injected is Fault.TOP_P_EXCLUDES_CROSSING_TOKEN
         self._refinish_on_abort = self.config.injected is Fault.ABORT_AFTER_FINISH_REWRITES_FINISH
         self._normalize_over_step = self.config.injected is Fault.LOGPROB_NORMALIZATION
+        self._salt_root = (lambda salt: b"") if self.config.injected is Fault.CACHE_SALT_IGNORED else salt_root
+        self._register_sampled = self.scheduler.register_sampled \
+            if self.config.injected is Fault.CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN else (lambda seq: None)
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
-                    messages: list[dict] | None = None, params: SamplingParams = SamplingParams()) -> None:
+                    messages: list[dict] | None = None, params: SamplingParams = SamplingParams(),
+                    cache_salt: str | None = None) -> None:
+        """`cache_salt`: a request shares cached KV blocks only with requests given the same salt (vLLM's)."""
         if not isinstance(request_id, str) or not request_id:
             raise RefengineError(f"request id: expected a non-empty string, got {request_id!r}")
         if request_id in self.sequences:
@@ -96,6 +101,8 @@ class LLMEngine:
             raise RefengineError(f"request {request_id!r}: give exactly one of prompt_ids, prompt, messages")
         if not isinstance(params, SamplingParams):
             raise RefengineError(f"request {request_id!r}: params must be a SamplingParams")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RefengineError(f"request {request_id!r}: cache_salt: expected a non-empty string, got {cache_salt!r}")
         tokenizer = self.model.tokenizer
         try:
             if prompt is not None:
@@ -105,7 +112,8 @@ class LLMEngine:
             prompt_ids = self.model.check_prompt(prompt_ids, what="prompt")
         except (TypeError, ValueError) as e:  # RefengineError is a ValueError
             raise RefengineError(f"request {request_id!r}: {e}") from None
-        seq = Sequence(request_id, prompt_ids, params, tokenizer.detokenizer(), self.num_steps)
+        seq = Sequence(request_id, prompt_ids, params, tokenizer.detokenizer(), self.num_steps,
+                       self._salt_root(cache_salt))
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
 
@@ -179,6 +187,7 @@ class LLMEngine:
                             hashlib.sha256(logits.tobytes()).hexdigest() if self.digest_logits else None,
                             logits.copy() if self.keep_logits else None)
         seq.append_token(record)
+        self._register_sampled(seq)
         reason = finish_reason(token, len(seq.output_ids), seq.detokenizer.text, params,
                                self.model.config.eos_token_ids)
         if reason is not None:
@@ -233,7 +242,8 @@ class LLMEngine:
     def status(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.block_manager.num_used_blocks,
-                "kv_blocks_free": self.block_manager.num_free_blocks, "steps": self.num_steps,
+                "kv_blocks_free": self.block_manager.num_free_blocks,
+                "kv_block_size": self.block_manager.block_size, "steps": self.num_steps,
                 "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size,
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits}

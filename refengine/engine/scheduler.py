@@ -192,6 +192,12 @@ class Scheduler:
                 self.block_manager.register(seq.block_table, self._hashes(seq, chunk.end),
                                             chunk.start // self.block_manager.block_size)
 
+    def register_sampled(self, seq: Sequence) -> None:
+        """Fault.CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN: registers the block a just-sampled token filled, whose
+        KV no forward has written yet (the engine calls it as it appends a token, with the fault only)."""
+        if self.block_manager.enable_caching:
+            self.block_manager.register(seq.block_table, self._hashes(seq, seq.num_tokens))
+
     def finish(self, seq: Sequence, reason: str, step: int) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -17,7 +17,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival_step: int):
+                 detokenizer: IncrementalDetokenizer, arrival_step: int, hash_root: bytes = b""):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -38,6 +38,7 @@ class Sequence:
         self.final_events = 0  # TokenEvents with a finish_reason streamed so far: exactly 1 once finished
         self.num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
         self._block_hashes: list[bytes] = []  # of its full blocks so far (its tokens only ever grow)
+        self.hash_root = hash_root  # its first block's parent hash (block_manager.salt_root)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,7 +67,7 @@ class Sequence:
         if full > len(self._block_hashes):
             done = len(self._block_hashes) * block_size
             self._block_hashes += block_hashes(self.token_ids[done:full * block_size], block_size,
-                                               self._block_hashes[-1] if self._block_hashes else b"")
+                                               self._block_hashes[-1] if self._block_hashes else self.hash_root)
         return self._block_hashes[:full]
 
     def is_decode(self, start: int, num_tokens: int) -> bool:

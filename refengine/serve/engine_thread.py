@@ -48,6 +48,7 @@ class RequestStream:
     error: Exception | None = None  # set when the engine refused the request or is gone
     client_gone: Callable[[], bool] | None = None  # the worker's probe of its connection; None: never gone
     num_cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (set before its events)
+    cache_salt: str | None = None
 
 
 class EngineThread(threading.Thread):
@@ -75,7 +76,7 @@ class EngineThread(threading.Thread):
 
     # --- worker-thread side -------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               client_gone: Callable[[], bool] | None = None) -> RequestStream:
+               client_gone: Callable[[], bool] | None = None, cache_salt: str | None = None) -> RequestStream:
         """Wait for a slot, hand the request to the engine thread, and return once it is accepted.
         `client_gone`: whether the request's client has hung up (called from the engine thread).
         Raises Overloaded, RefengineError (the engine refused the request) or EngineStopped."""
@@ -88,7 +89,7 @@ class EngineThread(threading.Thread):
             self._count("requests_rejected_busy", +1)
             raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
                              f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
-        stream = RequestStream(request_id, prompt_ids, params, client_gone=client_gone)
+        stream = RequestStream(request_id, prompt_ids, params, client_gone=client_gone, cache_salt=cache_salt)
         with self._wakeup:
             if self._stopping or self.failure:
                 self._release_slot()
@@ -194,7 +195,8 @@ class EngineThread(threading.Thread):
 
     def _admit(self, stream: RequestStream) -> None:
         try:
-            self.engine.add_request(stream.request_id, stream.prompt_ids, params=stream.params)
+            self.engine.add_request(stream.request_id, stream.prompt_ids, params=stream.params,
+                                    cache_salt=stream.cache_salt)
         except RefengineError as e:
             stream.error = e
             self._end_slot(ended_by_error_or_abort=True)

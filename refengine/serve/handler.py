@@ -133,7 +133,7 @@ class Handler(BaseHTTPRequestHandler):
         request = parse_request(kind, self._read_json(), s.model, s.served_name, s.context_tokens)
         try:
             stream = s.engine_thread.submit(request.request_id, request.prompt_ids, request.params,
-                                            client_gone=self._client_gone)
+                                            client_gone=self._client_gone, cache_salt=request.cache_salt)
         except Overloaded as e:
             raise ApiError(503, str(e), code="queue_timeout", type="server_overloaded") from None
         except RefengineError as e:

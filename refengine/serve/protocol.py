@@ -58,6 +58,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None       # None: not requested; else how many alternatives per token
+    cache_salt: str | None = None  # vLLM's: shares cached KV blocks only with requests of the same salt
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -171,6 +172,10 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
         raise ApiError(400, f"{max_tokens_key}: prompt ({len(prompt_ids)} tokens) + {max_tokens_key} "
                             f"({params.max_tokens}) exceeds this server's context of {context_tokens} tokens",
                        param=max_tokens_key, code="context_length_exceeded")
+    cache_salt = _typed(body, "cache_salt", (str,), None, "a string")
+    if cache_salt == "":
+        raise ApiError(400, "cache_salt: must be a non-empty string when given", param="cache_salt",
+                       code="invalid_value")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, stream,
-                             bool(stream_options.get("include_usage")), logprobs)
+                             bool(stream_options.get("include_usage")), logprobs, cache_salt)

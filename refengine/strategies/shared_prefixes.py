@@ -3,9 +3,15 @@
 A drawn join/leave schedule (schedules.py: every setting, pool pressure, preemption, aborts, seeded
 sampling, logprobs) with its prompts rewritten: each later request may take an earlier one's first
 tokens, cut at a block edge, one token either side of one, or at the shorter prompt's end (the same
-prompt, when the lengths agree). Lengths stay as drawn, so the fitted pool still fits. Each request
-is one more draw (which earlier one, or none: the simplest, what shrinking aims at) and, when it
-shares, the cut.
+prompt, when the lengths agree; lengths stay as drawn, so the fitted pool still fits) — or continue
+its conversation: `"continues": "rM"`, the earlier request's prompt and its answer, then its own
+prompt as the next turn (what a chat client resends; the answer is the model's, so the property
+resolves it: suite.harness.resolve_continuations). Each request is one more draw (which earlier
+one, or none: the simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and
+where; or a continuation, half the time, under the earlier one's salt, whose answer half the time
+ends at a block edge), and then its `cache_salt`:
+none (the simplest) or one of SALTS, so requests with equal prefixes and different salts meet (they
+must not share a block).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from hypothesis import strategies as st
 from .models import VOCAB_SIZE
 from .schedules import schedules
 
+SALTS = ("tenant-a", "tenant-b")
+
 
 def cuts(shorter: int, block_size: int) -> list[int]:
     """Where a shared prefix may end: the shorter prompt's end, every block edge and one token either side."""
@@ -23,17 +31,33 @@ def cuts(shorter: int, block_size: int) -> list[int]:
     return sorted(k for k in edges if 1 <= k <= shorter)
 
 
+def edge_answer(prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """The largest max_tokens up to `max_tokens` whose answer, run to it, ends exactly at a block edge
+    (its last token, sampled and never fed back, fills a block); `max_tokens` where none does. Only
+    shorter: the fitted pool still fits."""
+    return next((m for m in range(max_tokens, 0, -1) if (prompt_len + m) % block_size == 0), max_tokens)
+
+
 @functools.cache  # one strategy per mode (prompts.py says why)
 @st.composite
 def shared_prefix_schedules(draw, mode: str = "invariant") -> dict:
     schedule = draw(schedules(VOCAB_SIZE, mode))
     block, reqs = schedule["engine"]["block_size"], schedule["requests"]
-    for n in range(1, len(reqs)):
+    for n in range(len(reqs)):
         source = draw(st.integers(-1, n - 1))
-        if source < 0:
-            continue
-        theirs, mine = reqs[source]["prompt_ids"], reqs[n]["prompt_ids"]
-        k = draw(st.sampled_from(cuts(min(len(theirs), len(mine)), block)))
-        reqs[n]["prompt_ids"] = theirs[:k] + mine[k:]
+        if source >= 0:
+            theirs, mine = reqs[source]["prompt_ids"], reqs[n]["prompt_ids"]
+            if draw(st.booleans()):  # the same client's next turn: its conversation, under its salt
+                reqs[n]["continues"] = reqs[source]["id"]
+                if "cache_salt" in reqs[source]:
+                    reqs[n]["cache_salt"] = reqs[source]["cache_salt"]
+                if draw(st.booleans()):
+                    reqs[source]["max_tokens"] = edge_answer(len(theirs), reqs[source]["max_tokens"], block)
+                continue
+            k = draw(st.sampled_from(cuts(min(len(theirs), len(mine)), block)))
+            reqs[n]["prompt_ids"] = theirs[:k] + mine[k:]
+        salt = draw(st.sampled_from((None, *SALTS)))
+        if salt is not None:
+            reqs[n]["cache_salt"] = salt
     schedule["engine"]["enable_prefix_caching"] = True
     return schedule

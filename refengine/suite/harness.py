@@ -129,9 +129,39 @@ def observe(schedule: dict, trace: list[dict]) -> set[str]:
     return seen
 
 
+def resolve_continuations(model_name: str, schedule: dict) -> dict:
+    """The schedule with every `"continues": "rM"` (strategies.shared_prefixes) made a prompt: rM's
+    prompt, rM's answer alone (greedy or with its seed: the answer a chat client got), then the
+    request's own prompt as the next turn, cut so it fits max_model_len; the pool grown to hold it
+    alone. It arrives as a client's next turn does, once it has the answer: its drawn arrival counts
+    from when rM would have finished alone (batched, rM may still be running then). A schedule
+    without one comes back as it was."""
+    if not any("continues" in r for r in schedule["requests"]):
+        return schedule
+    model, engine, done = tiny_model(model_name), dict(schedule["engine"]), {}
+    for raw in schedule["requests"]:
+        request = {k: v for k, v in raw.items() if k != "continues"}
+        if "continues" in raw:
+            earlier = done[raw["continues"]]
+            parsed = parse_schedule({"engine": engine, "requests": [earlier]}, "continuation")
+            alone = baselines.alone(model, parsed.engine, parsed.requests[0])
+            answer = alone.token_ids
+            request["arrival_step"] = earlier["arrival_step"] + alone.finish_step + 1 + raw["arrival_step"]
+            if "abort_step" in raw:  # as long after its arrival as drawn
+                request["abort_step"] = request["arrival_step"] + raw["abort_step"] - raw["arrival_step"]
+            head, most = earlier["prompt_ids"] + answer, engine["max_model_len"] - request["max_tokens"]
+            # no room for a next turn: the conversation resent as it was, as much of it as fits
+            request["prompt_ids"] = head + raw["prompt_ids"][:most - len(head)] if len(head) < most else head[:most]
+            blocks = -(-(len(request["prompt_ids"]) + request["max_tokens"]) // engine["block_size"])
+            engine["num_blocks"] = max(engine["num_blocks"], blocks)
+        done[request["id"]] = request
+    return {**schedule, "engine": engine, "requests": list(done.values())}
+
+
 def check(name: str, model_name: str, schedule: dict, against: str = "serial", other_budget: int | None = None,
           fault: str | None = None, on_events=None) -> ReplayResult:
     """Properties 1-4: replay `schedule` and judge every request against `against` (refengine.replay)."""
+    schedule = resolve_continuations(model_name, schedule)
     model = tiny_model(model_name)
     needs_calibration = schedule["engine"]["mode"] == "fast" or against == "reference"
     result = replay(model, parse_schedule(schedule, name), against=against, other_budget=other_budget, fault=fault,

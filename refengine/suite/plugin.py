@@ -188,10 +188,10 @@ class HttpTarget(NamedTuple):
 @pytest.fixture(scope="session")
 def http_engine(request):
     """HttpTarget for the HTTP invariants: the --engine-url server, the --golden file, --precision and
-    the --model folder, or an
-    in-process OpenAIServer on 127.0.0.1 serving the embedded default model, tiny-chat (4 seats, 32-token steps so
-    prefill chunks mix with decodes and requests queue; prefix caching on: schedules repeat golden
-    cases and each case was sent alone first, so requests hit it; HTTP_MAX_WAITING waiting slots, so its 6
+    the --model folder, or an in-process OpenAIServer on 127.0.0.1 serving the embedded default model,
+    tiny-chat (4 seats, 32-token steps so prefill chunks mix with decodes and requests queue; prefix
+    caching on, on 8-token blocks so the golden cases' short prompts fill some, and a 1,024-token pool,
+    so the cold/warm/evicted property's pressure takes four prompts; HTTP_MAX_WAITING waiting slots, so its 6
     admission slots are exactly a largest schedule's requests: a leaked slot turns into a refused
     request, verdict "error", within HTTP_QUEUE_TIMEOUT_S, in one run)."""
     from ..check.golden import read_golden
@@ -219,7 +219,8 @@ def http_engine(request):
     if url:
         yield HttpTarget(url, golden, request.config.getoption("--precision"), model)
         return
-    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=True),
+    server = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_blocks=128,
+                                              enable_prefix_caching=True),
                           host="127.0.0.1", max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
     server.start()
     yield HttpTarget(server.url, golden, "f32")

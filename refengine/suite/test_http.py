@@ -20,6 +20,12 @@ same (the batching tolerance).
   status read after the hang-up shows unfinished, must not run to its end: the server's
   `requests_aborted` counts it; and the schedule's aborts are at most its hang-ups and errors (skipped
   on a server that counts no aborts);
+- an answer is the same cold, warm and after eviction: a schedule sent under a fresh cache_salt
+  (validate.dialect: every schedule is; so its requests compute their prompts in the running batch),
+  then again under that salt (its prompts' KV now in the prefix cache), then, once prompts that share
+  nothing have filled more than the server's KV pool (its size from its status: skipped where unknown),
+  once more: every completed answer meets the golden file, and each request's three answers agree up
+  to a golden near-tie;
 - afterwards the server drains: once it is idle, nothing running or waiting, KV use and, where
   reported, requests in flight and admission slots taken back to where they started (read from
   /admin/api/status, Prometheus /metrics or llama.cpp's /slots: validate.drain; skipped on a server
@@ -32,6 +38,7 @@ shrunk one last). tests/test_invariants_http.py shows each can fail against a fa
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -46,10 +53,12 @@ from ..validate.baseline import GoldenBaseline, SerialBaseline
 from ..validate.board import send_alone, served_model
 from ..validate.bounds import Tolerances, tolerances
 from ..validate.client import Endpoint
-from ..validate.dialect import accepts_id_prompts
+from ..validate.dialect import Dialect, accepts_id_prompts
+from ..validate.dialect import send as send_request
 from ..validate.drain import (
     State,
     StatusPoller,
+    pool_tokens,
     read_source,
     server_state,
     wait_drained,
@@ -70,6 +79,8 @@ DRAIN_DEADLINE_S = 30
 COMPLETED = ("match", "explained", "diverged")
 STATUS_POLL_S = 0.01
 IDLE_S = 0.5  # an engine idle this long (nothing running or waiting, no step) that still holds something: a leak
+FILLER_TOKENS = 512  # the longest prompt evict_everything sends
+MAX_FILLERS = 64     # more than this many to fill the pool (a GPU server's): the eviction leg is left out
 
 
 @dataclass(frozen=True)
@@ -120,12 +131,14 @@ def http_property(check, server: Server, twins: bool = False, **overrides):
     return settings(**overrides)(given(schedule=schedules)(run))
 
 
-def send(server: Server, schedule, baseline=None, start: float | None = None) -> list[dict]:
+def send(server: Server, schedule, baseline=None, start: float | None = None,
+         dialect: Dialect | None = None) -> list[dict]:
     """Every request of the schedule at its arrival time (from `start`, default now), all in flight
-    together; validate's records, judged by `baseline` (default: the golden file)."""
+    together; validate's records, judged by `baseline` (default: the golden file). `dialect` (default a
+    fresh one) holds the cache_salt: a fresh one is a cold cache."""
     planned = planned_requests(schedule, server.golden, server.arrival_step_s)
     baseline = baseline or GoldenBaseline(server.golden, server.tolerance)
-    return replay(server.endpoint, planned, server.served_name, baseline, len(planned), start=start)
+    return replay(server.endpoint, planned, server.served_name, baseline, len(planned), dialect, start)
 
 
 def answers_equal_alone(server: Server, schedule) -> None:
@@ -223,6 +236,52 @@ def streamed_equals_whole(server: Server, schedule) -> None:
                  f"{s['case']!r}: {why}; http schedule:\n" + outcomes(records), records)
 
 
+def evict_everything(server: Server) -> bool:
+    """Send, one at a time, prompts that share nothing (each its own cache_salt and its own order of the
+    golden prompts' ids) whose tokens add up to more than the server's KV pool: a prefix cache that
+    evicts least recently used blocks has then evicted everything it held before. False (nothing sent)
+    where the pool's size is unknown, the server takes no token-id prompts, or it would take more than
+    MAX_FILLERS prompts."""
+    pool = pool_tokens(server.endpoint)
+    ids = [i for case in server.golden.cases for i in case.prompt_ids]
+    if pool is None or not server.id_prompts or not ids:
+        return False
+    length = min(FILLER_TOKENS, pool // 2)
+    count = pool // length + 2  # what fits, plus one to spare, plus one for the blocks a partial tail keeps
+    if count > MAX_FILLERS:
+        return False
+    dialect = Dialect()
+    for n in range(count):
+        prompt = random.Random(n).choices(ids, k=length)
+        send_request(server.endpoint, "completions", {"model": server.served_name, "prompt": prompt, "max_tokens": 1,
+                                                      "temperature": 0}, None, dialect, salt=dialect.cache_salt(str(n)))
+    return True
+
+
+def cold_warm_evicted(server: Server, schedule) -> None:
+    dialect = Dialect()  # one salt for the three sends, fresh: nothing before them shares their cache
+    legs = {"cold": send(server, schedule, dialect=dialect), "warm": send(server, schedule, dialect=dialect)}
+    if evict_everything(server):
+        legs["after eviction"] = send(server, schedule, dialect=dialect)
+    sent = "\n".join(f"{leg}:\n{outcomes(records)}" for leg, records in legs.items())
+    for leg, records in legs.items():
+        failed = [r for r in records if r["verdict"] in ("diverged", "error")]
+        if failed:
+            fail(server, "http-cold-warm-evicted", f"{leg}: answers that fail the margin rule; http schedule sent "
+                 f"cold, warm and after eviction:\n{sent}\n" + "\n".join(describe_record(r, server.tolerance)
+                                                                        for r in failed if r["verdict"] == "diverged"),
+                 records)
+    cases = {c.id: c for c in server.golden.cases}
+    for leg, records in legs.items():
+        for cold, other in zip(legs["cold"], records):
+            if leg == "cold" or cold["verdict"] not in COMPLETED or other["verdict"] not in COMPLETED:
+                continue
+            why = parting(cases[cold["case"]], cold, other, server.tolerance)
+            if why is not None:
+                fail(server, "http-cold-warm-evicted", f"{cold['id']} ({cold['case']!r}) cold vs {leg}: {why}; http "
+                     f"schedule sent cold, warm and after eviction:\n{sent}", records)
+
+
 def settled(server: Server) -> State | None:
     """The server's state once nothing runs or waits (what an earlier schedule left may still be
     finishing: the baseline of a schedule is taken after it). Not a check: a server that never settles
@@ -295,6 +354,10 @@ def test_answers_equal_the_servers_own_alone_answers(server):
 
 def test_streamed_and_whole_answers_are_identical(server):
     http_property(streamed_equals_whole, server, twins=True)()
+
+
+def test_an_answer_is_the_same_cold_warm_and_after_eviction(server):
+    http_property(cold_warm_evicted, server)()
 
 
 def test_server_drains_after_every_schedule(server):

@@ -3,11 +3,14 @@
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
 engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
 chunks: fcfs, prefill-first, shuffled), with prefix caching on or off; an added request may start
-with an earlier one's first tokens.
+with an earlier one's first tokens, and may carry a cache_salt.
 After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
-aborted requests hold no block, a registered hash maps to one block); two live sequences share a
-block only where it is a registered prefix block of both (the same hash at the same place in both
-prompts' chains: the same KV), never otherwise; each running sequence holds
+aborted requests hold no block, a registered hash maps to one block); a registered block a sequence
+holds is registered under that sequence's own hash at that place (chained from its salt through its
+computed tokens: the same KV), and only registered blocks are held by two sequences; a registered
+block's KV (every layer's keys and values) never changes while it stays registered under the same
+hash, shared, cached on the free list or neither (nothing writes into KV another request may take);
+each running sequence holds
 exactly the blocks its computed tokens need; a step never exceeds max_num_batched_tokens or
 max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
 follows a decode. At the end every request finishes and every block is free. A failure writes the
@@ -26,10 +29,12 @@ from hypothesis.stateful import (
 
 from ..check.driver import STEP_ALLOWANCE
 from ..engine import EngineConfig, LLMEngine
+from ..engine.block_manager import block_hashes, salt_root
 from ..sampling import SamplingParams
 from ..strategies import MAX_PROMPT_LEN, MAX_TOKENS, tiny_model
 from ..strategies.engine_settings import scheduling_policies
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE
+from ..strategies.shared_prefixes import SALTS
 from .harness import fail, observe
 
 MAX_REQUESTS = 6
@@ -51,6 +56,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.capacity = num_blocks * block_size
         self.failed = False
         self.preemptions: dict[str, int] = {}  # per request, counted from the trace
+        self.registered: dict[bytes, tuple[int, bytes]] = {}  # hash -> (block, its KV when first seen registered)
         for _ in range(first_requests):
             self.add(data)
 
@@ -73,10 +79,13 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             theirs = self.schedule["requests"][source]["prompt_ids"]
             shared = data.draw(st.integers(1, min(len(theirs), length)), label="shared tokens")
             prompt = theirs[:shared] + prompt[shared:]
+        salt = data.draw(st.sampled_from((None, *SALTS)), label="cache_salt")
         request_id = f"r{len(self.schedule['requests'])}"
         self.schedule["requests"].append({"id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens,
-                                          "arrival_step": self.engine.num_steps})
-        self.engine.add_request(request_id, prompt, params=SamplingParams(max_tokens=max_tokens))
+                                          "arrival_step": self.engine.num_steps,
+                                          **({"cache_salt": salt} if salt else {})})
+        self.engine.add_request(request_id, prompt, params=SamplingParams(max_tokens=max_tokens),
+                                cache_salt=salt)
 
     @precondition(lambda self: self.schedule["requests"])
     @rule(data=st.data())
@@ -127,21 +136,36 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         running = self.engine.scheduler.running
         self.check(len(running) <= self.engine.config.max_num_seqs,
                    f"{len(running)} running sequences, max_num_seqs {self.engine.config.max_num_seqs}")
-        owner, manager = {}, self.engine.block_manager
+        manager, holders = self.engine.block_manager, {}
+        salts = {r["id"]: r.get("cache_salt") for r in self.schedule["requests"]}
         for seq in self.engine.sequences.values():
-            chain = seq.block_hashes(seq.num_computed_tokens, manager.block_size)
+            # its full blocks' hashes as its computed tokens and its salt define them (not as the engine kept them)
+            mine = block_hashes(seq.token_ids[:seq.num_computed_tokens], manager.block_size,
+                                salt_root(salts[seq.request_id]))
             for index, block in enumerate(seq.block_table.block_ids):
-                if block in owner:
-                    other, other_index = owner[block]
-                    theirs = other.block_hashes(other.num_computed_tokens, manager.block_size)[index:index + 1]
-                    same = index == other_index and chain[index:index + 1] == theirs == [manager.hash_of.get(block)]
-                    self.check(same, f"block {block} is in the tables of both {other.request_id} and "
-                                     f"{seq.request_id}, not as a cached block of the same prefix: one of them "
-                                     f"reads the other's KV")
-                owner[block] = (seq, index)
+                holders.setdefault(block, []).append(seq.request_id)
+                registered = manager.hash_of.get(block)
+                self.check(registered is None or mine[index:index + 1] == [registered],
+                           f"{seq.request_id} holds block {block} as its block {index}, registered under a hash "
+                           f"that is not its own tokens' and salt's there: it reads KV computed for something else")
             if seq.is_finished:
                 self.check(not seq.block_table.block_ids,
                            f"{seq.request_id} finished ({seq.finish_reason}) but holds blocks {seq.block_table.block_ids}")
+        shared = {block: ids for block, ids in holders.items() if len(ids) > 1 and block not in manager.hash_of}
+        self.check(not shared, f"blocks held by several requests without being a registered prefix block: {shared}: "
+                               f"one of them reads the other's KV")
+        self.cached_kv_never_changes()
+
+    def cached_kv_never_changes(self):
+        runner, seen = self.engine.runner, {}
+        for block_hash, block in self.engine.block_manager.cached.items():
+            kv = runner.k_cache[:, block].tobytes() + runner.v_cache[:, block].tobytes()
+            first = self.registered.get(block_hash)
+            self.check(first is None or first[0] != block or first[1] == kv,
+                       f"after step {self.engine.num_steps - 1}: block {block}, registered under one hash since "
+                       f"then, holds other KV than when it was registered: written while others may take it")
+            seen[block_hash] = first if first is not None and first[0] == block else (block, kv)
+        self.registered = seen
 
     def teardown(self):
         if not hasattr(self, "engine") or self.failed:

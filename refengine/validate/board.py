@@ -10,7 +10,9 @@ come twice as fast as `concurrency` servers working alone would finish them, so 
 join a running batch while others leave it. A replayed repro (validate.repro) is sent as it was
 found and needs no overlap. After the run the server must drain (validate.drain), and where it
 counts aborts, every hang-up it had to abort must be one (validate.aborts; the status is read
-throughout the run for it).
+throughout the run for it). The load goes in three prefix-cache groups, cold, shared and warm
+(validate.plan): the report keeps them apart, with the prompt tokens the server says it served from
+its prefix cache (validate.cache).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..errors import RefengineError
 from .aborts import ABORT_SLACK, abort_accounting
 from .baseline import GoldenBaseline, SerialBaseline, ThreeWay
 from .bounds import Tolerances, tolerances
+from .cache import cache_report
 from .client import Completion, Endpoint, ServerError
 from .dialect import Dialect, probe
 from .drain import StatusPoller, server_state, wait_drained
@@ -144,6 +147,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
             drain["aborts"]["alone"] = lone
         drained = drained and drain["aborts"]["ok"] and (lone is None or lone["ok"])
     load = overlap(requests)
+    cache = cache_report(requests, alone_records, not dialect.cache_salt_refused, drain_baseline, before_load, state)
     alone_errors = sum(r["verdict"] == "error" for r in alone_records)
     effects_diverged = effects is not None and (effects["precision"]["diverged"] or effects["batching"]["diverged"])
     if counts["diverged"] or counts["error"] or alone_errors or effects_diverged or (drain["checked"] and not drained):
@@ -170,6 +174,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         "requests": requests,
         "overlap": load,
         "drain": drain,
+        "cache": cache,
         # only against the golden file: a serial "match" says nothing of which steps agree with float64
         "precision": precision(requests, cases.golden, bounds.precision, bounds.precision_tolerance)
         if settings.baseline == "golden" else None,

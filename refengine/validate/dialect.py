@@ -9,6 +9,13 @@ baseline finds the server's own top-2 margins, and what the precision report com
 golden file. A server that refuses one of these fields by name (HF `transformers serve`: HTTP 422
 "Unexpected keys") gets the request again without it, and no later request carries it.
 
+Every request also carries vLLM's `cache_salt` (a server with prefix caching shares cached KV only
+between requests of one salt), fresh each run, so nothing sent before the run shares its cache: the
+alone answers and the `warm` loaded requests (validate.plan) share the run's salt, the `shared` ones
+the load's, and a `cold` one has its own. A server that refuses the field by name gets none (every
+request then shares one cache); one that ignores it shows in the cached tokens it reports for cold
+requests (validate.cache).
+
 Before the run, one probe per API in the plan (the case with the shortest prompt, `max_tokens: 1`,
 whole) learns where the server reports generated ids, whether it reports prompt ids and logprobs.
 An API whose answers carry no ids is judged by text.
@@ -16,11 +23,13 @@ An API whose answers carry no ids is judged by text.
 from __future__ import annotations
 
 import threading
+import uuid
 
 from .client import Completion, Endpoint, ServerError
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 RETURN_TOKEN_IDS = "return_token_ids"
+CACHE_SALT = "cache_salt"
 LOGPROB_KEYS = ("logprobs", "top_logprobs", "stream_options")
 TOP_LOGPROBS = 2  # the top-2 margin needs two
 REFUSAL_STATUSES = (400, 404, 422)
@@ -41,11 +50,20 @@ class Dialect:
         self.resent = 0                             # run requests sent again without a refused field
         self.streams_without_done = 0
         self.streams_with_done = 0
+        self.salt = f"refengine-validate-{uuid.uuid4().hex}"  # this run's: nothing before it shares its cache
+        self.cache_salt_refused = False
 
-    def body(self, api: str, body: dict) -> dict:
+    def cache_salt(self, group: str = "warm", request_id: str = "") -> str:
+        """The salt of a request of cache `group` (validate.plan.CACHE): the run's (warm), the load's
+        (shared), or a cold request's own (its id added)."""
+        return {"warm": self.salt, "shared": f"{self.salt}:load"}.get(group, f"{self.salt}:cold:{request_id}")
+
+    def body(self, api: str, body: dict, salt: str | None = None) -> dict:
         body = dict(body)
         if not self.return_token_ids_refused:
             body[RETURN_TOKEN_IDS] = True
+        if not self.cache_salt_refused:
+            body[CACHE_SALT] = salt or self.salt
         if api not in self.logprobs_refused:
             if api == "chat":
                 body |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
@@ -63,6 +81,9 @@ class Dialect:
         with self._lock:
             if RETURN_TOKEN_IDS in sent and RETURN_TOKEN_IDS not in base and RETURN_TOKEN_IDS in message:
                 self.return_token_ids_refused = True
+                return True
+            if CACHE_SALT in sent and CACHE_SALT not in base and CACHE_SALT in message:
+                self.cache_salt_refused = True
                 return True
             if api not in self.logprobs_refused and any(k in message for k in LOGPROB_KEYS
                                                          if k in sent and k not in base):
@@ -84,6 +105,7 @@ class Dialect:
                       "prompt_token_ids": self.prompt_ids.get(api, False)}
                 for api in sorted(set(self.ids_from) | set(self.probe_errors))}
         out = {"return_token_ids": "refused" if self.return_token_ids_refused else "sent",
+               "cache_salt": "refused" if self.cache_salt_refused else "sent",
                "no_done_marker": self.streams_without_done > 0 and self.streams_with_done == 0,
                "streams_without_done": self.streams_without_done, "apis": apis,
                "probe_requests": self.probe_requests, "resent": self.resent}
@@ -93,10 +115,11 @@ class Dialect:
 
 
 def send(endpoint: Endpoint, api: str, base: dict, cancel_after: int | None, dialect: Dialect,
-         probe: bool = False) -> Completion:
-    """POST `base` with the fields the dialect adds; refused by name, again without them."""
+         probe: bool = False, salt: str | None = None) -> Completion:
+    """POST `base` with the fields the dialect adds (`salt`: the cache_salt, default the run's); refused
+    by name, again without them."""
     while True:
-        sent = dialect.body(api, base)
+        sent = dialect.body(api, base, salt)
         with dialect._lock:
             if probe:
                 dialect.probe_requests += 1
@@ -118,7 +141,8 @@ def probe(endpoint: Endpoint, bodies: dict[str, dict], dialect: Dialect) -> None
     request body of one case."""
     for api, body in bodies.items():
         try:
-            answer = send(endpoint, api, {**body, "stream": False, "max_tokens": 1}, None, dialect, probe=True)
+            answer = send(endpoint, api, {**body, "stream": False, "max_tokens": 1}, None, dialect, probe=True,
+                          salt=dialect.cache_salt("cold", "probe"))  # leaves the run's cache cold
         except (ServerError, OSError) as e:
             dialect.probe_errors[api] = str(e) or type(e).__name__
             continue
@@ -157,6 +181,9 @@ def dialect_notes(dialect: dict | None) -> list[str]:
                                                                           else " (it refuses the fields)"))
     if dialect["return_token_ids"] == "refused":
         notes.append("note: the server refuses return_token_ids; requests were sent without it")
+    if dialect.get("cache_salt") == "refused":
+        notes.append("note: the server refuses cache_salt; requests were sent without it (no request could be "
+                     "sent cold: each may take KV the others left in the prefix cache)")
     if dialect["streams_without_done"]:
         notes.append(f"note: {dialect['streams_without_done']} streams ended after their finish_reason without "
                      f"data: [DONE] (accepted as complete)")

@@ -54,6 +54,8 @@ class State:
     aborted: int | None = None      # requests aborted since start (a counter); None: not reported
     steps: int | None = None        # engine steps since start (a counter); None: not reported
     ended: int | None = None        # requests ended, finished or aborted (a counter); None: not reported
+    cache_queries: int | None = None  # prompt tokens looked up in the prefix cache (a counter); None: not reported
+    cache_hits: int | None = None     # of those, found cached (a counter); None: not reported
 
     @property
     def finished(self) -> int | None:
@@ -214,7 +216,8 @@ def _from_admin(data) -> State | None:
     kv = used / (used + free) if isinstance(used, int) and isinstance(free, int) and used + free else None
     counts = {name: data.get(key) if isinstance(data.get(key), int) else None
               for name, key in (("in_flight", "in_flight"), ("slots_used", "slots_used"),
-                                ("aborted", "requests_aborted"), ("steps", "steps"))}
+                                ("aborted", "requests_aborted"), ("steps", "steps"),
+                                ("cache_queries", "prefix_cache_queries"), ("cache_hits", "prefix_cache_hits"))}
     finished = data.get("requests_finished")
     ended = finished + counts["aborted"] if isinstance(finished, int) and counts["aborted"] is not None else None
     return State(data["running"], data["waiting"], kv, "/admin/api/status", ended=ended, **counts)
@@ -233,6 +236,8 @@ COUNT_NAMES = {  # State field: (metric sample name, labels it must carry), in o
     "aborted": (("refengine_requests_aborted_total", {}),
                 ("vllm:request_success_total", {"finished_reason": "abort"})),
     "steps": (("refengine_engine_steps_total", {}), ("vllm:iteration_tokens_total_count", {})),
+    "cache_queries": (("vllm:prefix_cache_queries_total", {}),),
+    "cache_hits": (("vllm:prefix_cache_hits_total", {}),),
 }
 
 
@@ -266,6 +271,28 @@ def _from_metrics(text: str) -> State | None:
             return State(round(sum(samples[running])), round(sum(samples.get(waiting, [0]))), kv,
                          f"/metrics ({flavour})", kv_held_when_idle=flavour == "llama.cpp", ended=ended,
                          **{field: count(field) for field in COUNT_NAMES})
+    return None
+
+
+def pool_tokens(endpoint: Endpoint) -> int | None:
+    """How many tokens the server's KV pool holds: refengine's status (kv_blocks_used + kv_blocks_free,
+    x kv_block_size) or vLLM's `vllm:cache_config_info` labels (num_gpu_blocks x block_size); None
+    where neither says."""
+    try:
+        status, body = endpoint.get("/admin/api/status")
+        data = json.loads(body) if status == 200 else None
+        if isinstance(data, dict) and all(isinstance(data.get(k), int) for k in
+                                          ("kv_blocks_used", "kv_blocks_free", "kv_block_size")):
+            return (data["kv_blocks_used"] + data["kv_blocks_free"]) * data["kv_block_size"]
+        status, body = endpoint.get("/metrics")
+        if status != 200:
+            return None
+        for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
+            for sample in family.samples:
+                if sample.name.startswith("vllm:cache_config_info"):
+                    return int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
+    except (OSError, ServerError, ValueError, KeyError):
+        return None
     return None
 
 

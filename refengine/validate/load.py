@@ -24,14 +24,17 @@ def send_one(endpoint: Endpoint, p: Planned, served_model: str, baseline, start:
     time.sleep(max(0.0, start + p.arrival_s - time.monotonic()))  # wait for this request's arrival time
     sent = time.monotonic()
     entry = {"id": p.id, "case": p.case.id, "api": p.api, "streamed": p.stream, "arrival_s": p.arrival_s,
-             "cancel_after": p.cancel_after, "sent_s": round(sent - start, 3)}
+             "cancel_after": p.cancel_after, "cache": p.cache, "sent_s": round(sent - start, 3)}
     try:
-        completion = send(endpoint, p.api, request_body(p, served_model), p.cancel_after, dialect)
+        completion = send(endpoint, p.api, request_body(p, served_model), p.cancel_after, dialect,
+                          salt=dialect.cache_salt(p.cache, p.id))
     except (ServerError, OSError) as e:
         return {**entry, **ended(sent, start), "cancelled": False, "verdict": "error", "error": str(e) or type(e).__name__}
     entry |= {**ended(sent, start), "cancelled": completion.cancelled,
               "tokens": len(completion.token_ids) if completion.token_ids is not None else None,
               "finish_reason": completion.finish_reason, "token_ids": completion.token_ids, "text": completion.text}
+    if completion.cached_tokens is not None:
+        entry["cached_tokens"] = completion.cached_tokens
     if completion.logprobs is not None:
         entry["logprobs"] = [t.logprob for t in completion.logprobs]
     if completion.note:

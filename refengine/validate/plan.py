@@ -1,17 +1,23 @@
 """What board validation sends: its settings, the random join/leave schedule of the cases (fixed by
-the seed), and each request's body. A case comes from a golden file (GoldenCase) or a prompts file
+the seed), and each request's body. A third of the schedule's requests go to each of the CACHE
+groups, each with its own `cache_salt` (validate.dialect): a server with prefix caching shares KV
+only within one salt, so a `cold` request (a salt of its own) computes its whole prompt in the
+running batch; a `shared` one (one salt for the whole load) takes only KV the load itself computed,
+often while the request computing it still runs; a `warm` one (the alone phase's salt) may take the
+KV its alone answer left. A case comes from a golden file (GoldenCase) or a prompts file
 (PromptCase): requests need only its prompt or messages and max_tokens.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..check.golden import GoldenCase, PromptCase
 from ..errors import RefengineError
 
 APIS = ("auto", "completions", "chat")
 BASELINES = ("golden", "serial")
+CACHE = ("cold", "shared", "warm")  # prefix-cache groups: a cache_salt of its own, the load's, the alone phase's
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Planned:
     arrival_s: float
     stream: bool
     cancel_after: int | None  # hang up after this many token-carrying chunks
+    cache: str = "warm"       # one of CACHE: which cache_salt it goes with
 
 
 def case_api(case, api: str, source) -> str:
@@ -70,7 +77,8 @@ def case_api(case, api: str, source) -> str:
 
 def plan(cases: list, settings: Settings, spread: float, source="cases") -> list[Planned]:
     """The random join/leave schedule, fixed by the seed; arrivals uniform over `spread` seconds. A
-    request may hang up only where its case's answer has at least two tokens to come."""
+    request may hang up only where its case's answer has at least two tokens to come. The cache groups
+    are drawn apart (their own generator: they move no other draw), a third of the requests each."""
     rng = random.Random(settings.seed)
     planned = []
     for copy in range(settings.repeat):
@@ -81,6 +89,9 @@ def plan(cases: list, settings: Settings, spread: float, source="cases") -> list
                 case.id if settings.repeat == 1 else f"{case.id}#{copy}", case, api,
                 round(rng.uniform(0, 1) * spread, 3), stream=cancel or rng.random() < 0.5,
                 cancel_after=rng.randint(1, expected_length(case) - 1) if cancel else None))
+    order = random.Random(f"{settings.seed}:cache").sample(range(len(planned)), len(planned))
+    groups = {n: CACHE[rank * len(CACHE) // len(planned)] for rank, n in enumerate(order)}
+    planned = [replace(p, cache=groups[n]) for n, p in enumerate(planned)]
     return sorted(planned, key=lambda p: p.arrival_s)
 
 

@@ -3,6 +3,7 @@ each divergence, then the run's settings, load, dialect and drain, and the verdi
 from __future__ import annotations
 
 from ..check.margin_rule import Verdict, describe
+from .cache import format_cache
 from .dialect import dialect_notes
 from .load import MIN_OVERLAP_FRACTION, VERDICTS
 from .precision import format_precision
@@ -100,6 +101,8 @@ def format_report(report: dict) -> str:
                          f"{margins['fingerprint']}: its margins are another model's unless the server's is a "
                          f"conversion of it")
     lines += dialect_notes(report.get("dialect"))
+    if report.get("cache"):
+        lines += format_cache(report["cache"])
     stripped = [r["id"] for r in report["alone"] + report["requests"] if r.get("whitespace_restored")]
     if stripped:
         lines.append(f"note: {len(stripped)} answers came without the whitespace their golden answer has at an end "

@@ -6,7 +6,10 @@ way (baseline, tolerance). One format for both (FORMATS.md, "HTTP repro"):
     {"validate_repro": 1, "found_by": "validate" | "<property>", "url": ..., "server": {...},
      "baseline": "golden" | "serial", "source": "<golden or prompts file>", "model_fingerprint": ...,
      "settings": {"concurrency": ..., "margin_tolerance": ..., "tolerance": ..., "api": ..., "timeout": ...},
-     "requests": [{"id", "case", "api", "streamed", "arrival_s", "cancel_after", "verdict"}, ...]}
+     "requests": [{"id", "case", "api", "streamed", "arrival_s", "cancel_after", "verdict"[, "cache"]}, ...]}
+
+`cache` (optional, default "warm"): the request's prefix-cache group (validate.plan.CACHE); a replay
+sends it in the same group, under the replay's own fresh salts.
 
 The cases themselves are not copied: `source` names the file they come from (a replay may point at
 another copy of it), and a case id the file lacks is an error naming it.
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from ..check.schedule import read_json
 from ..errors import RefengineError
-from .plan import Planned
+from .plan import CACHE, Planned
 
 REPRO_FORMAT = 1
 REQUEST_KEYS = ("id", "case", "api", "streamed", "arrival_s", "cancel_after")
@@ -30,7 +33,9 @@ def repro(records: list[dict], *, found_by: str, url: str, server: dict, baselin
     margin_tolerance (None: the baseline's default), tolerance (applied), api, timeout."""
     return {"validate_repro": REPRO_FORMAT, "found_by": found_by, "url": url, "server": server,
             "baseline": baseline, "source": str(source), "model_fingerprint": fingerprint, "settings": settings,
-            "requests": [{**{k: r[k] for k in REQUEST_KEYS}, "verdict": r["verdict"]} for r in records]}
+            "requests": [{**{k: r[k] for k in REQUEST_KEYS}, "verdict": r["verdict"],
+                          **({"cache": r["cache"]} if r.get("cache", "warm") != "warm" else {})}
+                         for r in records]}
 
 
 def repro_data(report: dict) -> dict:
@@ -74,6 +79,8 @@ def planned_from(data: dict, cases: list, path) -> list[Planned]:
             raise RefengineError(f"{path}: requests[{n}]: case {r['case']!r} is not in {data['source']}")
         if r["api"] not in ("completions", "chat"):
             raise RefengineError(f"{path}: requests[{n}]: api must be completions or chat, got {r['api']!r}")
+        if r.get("cache", "warm") not in CACHE:
+            raise RefengineError(f"{path}: requests[{n}]: cache must be one of {', '.join(CACHE)}, got {r['cache']!r}")
         planned.append(Planned(str(r["id"]), by_id[r["case"]], r["api"], float(r["arrival_s"]), bool(r["streamed"]),
-                               r["cancel_after"]))
+                               r["cancel_after"], cache=r.get("cache", "warm")))
     return planned

@@ -9,6 +9,8 @@ Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the o
 `prompt_token_ids` (vLLM chat).
 Logprobs, per generated token: chat's `logprobs.content[].logprob` with `.top_logprobs[].logprob`,
 or completions' `logprobs.token_logprobs[]` with `logprobs.top_logprobs[]` (token -> logprob).
+Prompt tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens` (OpenAI;
+vLLM, refengine) or `timings.cache_n` (llama.cpp).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Completion:
     # A hang-up's: the token chunks the server had already sent that we had not read, and whether the
     # answer's end was among them (client._unread); None: not a hang-up.
     unread: tuple[int, bool] | None = None
+    cached_tokens: int | None = None    # prompt tokens the server says it took from its prefix cache; None: not said
 
 
 def _ints(value) -> list[int] | None:
@@ -122,6 +125,14 @@ def usage_tokens(obj: dict) -> int | None:
     return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
+def cached_tokens(obj: dict) -> int | None:
+    for count in (_dict(_dict(obj.get("usage")).get("prompt_tokens_details")).get("cached_tokens"),
+                  _dict(obj.get("timings")).get("cache_n")):
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+    return None
+
+
 def checked(ids: list[int] | None, ids_from: str | None, usage: int | None) -> tuple[list[int] | None, str | None]:
     """Ids taken from logprobs entries are set aside when their count differs from the server's own
     token count (llama.cpp streams no logprobs for a token that completed no character)."""
@@ -141,7 +152,7 @@ def whole(data: dict) -> Completion:
     finish = choice.get("finish_reason")
     return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
                       cancelled=False, ids_from=ids_from if ids is not None else None, note=note,
-                      logprobs=counted(token_logprobs(choice), ids))
+                      logprobs=counted(token_logprobs(choice), ids), cached_tokens=cached_tokens(data))
 
 
 def counted(logprobs: list[TokenLogprob] | None, ids: list[int] | None) -> list[TokenLogprob] | None:
@@ -161,12 +172,14 @@ class Stream:
         self.prompt_ids: list[int] | None = None
         self.finish_reason: str | None = None
         self.usage: int | None = None
+        self.cached_tokens: int | None = None
         self.chunks = 0  # chunks that carried tokens (text or ids)
         self.logprobs: list[TokenLogprob] = []
         self.tokens_without_logprobs = False
 
     def add(self, chunk: dict) -> None:
         self.usage = usage_tokens(chunk) if usage_tokens(chunk) is not None else self.usage
+        self.cached_tokens = cached_tokens(chunk) if cached_tokens(chunk) is not None else self.cached_tokens
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -198,4 +211,5 @@ class Stream:
         logprobs = None if self.tokens_without_logprobs or not self.logprobs else counted(self.logprobs, ids)
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
-                          done_marker=done_marker, note=note, logprobs=logprobs, unread=unread)
+                          done_marker=done_marker, note=note, logprobs=logprobs, unread=unread,
+                          cached_tokens=self.cached_tokens)
