@@ -56,8 +56,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 
 def default_golden() -> str:
-    from ..check.golden import default_golden_path
-    return str(default_golden_path())
+    """The default model's conversations (data/golden/prompts/conversations.jsonl): chats under one long
+    system prompt and conversations resent with their first answer, so the HTTP properties' schedules
+    share prefixes a server's prefix cache takes, as production traffic does."""
+    from ..data import shipped
+    return str(shipped("golden", "tiny-chat-conversations.jsonl"))
 
 
 def pytest_addoption(parser):
@@ -68,7 +71,7 @@ def pytest_addoption(parser):
                          "in-process engine properties are skipped")
     group.addoption("--golden", metavar="FILE", default=None,
                     help="golden file the --engine-url server's model must match (default: the shipped "
-                         "golden file of the embedded default model)")
+                         "conversations golden file of the embedded default model)")
     group.addoption("--precision", choices=("auto", "f32", "bf16", "fp16"), default="auto",
                     help="what the --engine-url server computes in: its answers are held to refengine's "
                          "bound for that precision x 8, from the golden header or measured on --model "
