@@ -6,12 +6,13 @@ tokens, cut at a block edge, one token either side of one, or at the shorter pro
 prompt, when the lengths agree; lengths stay as drawn, so the fitted pool still fits) — or continue
 its conversation: `"continues": "rM"`, the earlier request's prompt and its answer, then its own
 prompt as the next turn (what a chat client resends; the answer is the model's, so the property
-resolves it: suite.harness.resolve_continuations). Each request is one more draw (which earlier
-one, or none: the simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and
-where; or a continuation, half the time, under the earlier one's salt, whose answer half the time
-ends at a block edge), and then its `cache_salt`:
-none (the simplest) or one of SALTS, so requests with equal prefixes and different salts meet (they
-must not share a block).
+resolves it: suite.harness.resolve_continuations). Each request is one more draw (which earlier one,
+or none: the simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and where;
+or a continuation, half the time, under the earlier one's salt, whose answer half the time ends at a
+block edge), and then its `cache_salt`: none (the simplest) or one of SALTS, so requests with equal
+prefixes and different salts meet (they must not share a block). Last, half of the schedules get a
+pool that holds their largest request and no more, in place of the fitted one: every block
+a later request needs evicts a cached one.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import functools
 from hypothesis import strategies as st
 
 from .models import VOCAB_SIZE
-from .schedules import schedules
+from .schedules import blocks_for, schedules
 
 SALTS = ("tenant-a", "tenant-b")
 
@@ -59,5 +60,7 @@ def shared_prefix_schedules(draw, mode: str = "invariant") -> dict:
         salt = draw(st.sampled_from((None, *SALTS)))
         if salt is not None:
             reqs[n]["cache_salt"] = salt
+    if draw(st.booleans()):  # eviction pressure: a pool that holds the largest request and no more
+        schedule["engine"]["num_blocks"] = max(blocks_for(len(r["prompt_ids"]) + r["max_tokens"], block) for r in reqs)
     schedule["engine"]["enable_prefix_caching"] = True
     return schedule
