@@ -445,6 +445,7 @@ def test_logprobs_are_per_row_and_the_normalization_fault_shows_only_batched(tin
 
 def test_logprob_comparison_names_the_token_both_values_and_the_bound():
     from refengine.check.comparison import logprob_difference
+    from refengine.check.output_oracle import log_softmax as oracle_log_softmax
     from refengine.sampling import StepRecord, token_logprobs
 
     row = np.array([3.0, 2.0, 1.0, 0.5, -1.0], np.float32)
@@ -456,7 +457,8 @@ def test_logprob_comparison_names_the_token_both_values_and_the_bound():
     assert logprob_difference(off, want, 2, exact=False, tolerance=1e-6) is None
     far = logprob_difference(StepRecord(0, 1.0, top, own - 0.5, logits=row), want, 2, exact=False,
                              tolerance=1e-6, names=("batched", "alone"))
-    assert "chosen token 0" in far and repr(own) in far and "batched" in far and "bound 1e-06" in far
+    baseline = float(oracle_log_softmax(row)[0])  # the baseline row's, by check.output_oracle's definition
+    assert "chosen token 0" in far and repr(baseline) in far and "batched" in far and "bound 1e-06" in far
     wrong_rank = [top[0], (3, float(token_logprobs(row, 3, 0)[0]))]  # token 3 is 4th, not 2nd
     assert "not among the alone's top 2" in logprob_difference(
         StepRecord(0, 1.0, wrong_rank, own, logits=row), want, 2, exact=False, tolerance=1e-6,

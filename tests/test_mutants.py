@@ -3,7 +3,9 @@ the package (a boundary, a dropped condition, a swapped source), and the tests n
 on that copy. A mutant whose text is no longer in its module fails here too, so the list cannot rot.
 Covers validate/aborts, validate/bounds, validate/effects, validate/junit, the finish-reason dialect
 of validate/baseline, board's abort count, validate/cache with the cached-token figures it reads,
-the cache groups and salts, and check/prefix_cache (slow: a pytest run per mutant)."""
+the cache groups and salts, check/prefix_cache, and refengine/sampling.py's finish, stop-cut and
+log-softmax rules, which the shipped properties hold to check/output_oracle (slow: a pytest run per
+mutant)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +21,7 @@ ABORTS, BOUNDS, EFFECTS, JUNIT = (f"refengine/validate/{m}.py" for m in ("aborts
 T_ABORTS = ["tests/test_aborts.py"]
 T_EFFECTS = ["tests/test_effects.py"]
 CACHE, T_CACHE = "refengine/validate/cache.py", ["tests/test_validate_cache.py"]
+SAMPLING, T_STREAMING = "refengine/sampling.py", ["refengine/suite/test_streaming.py"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
@@ -84,6 +87,13 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "if other != rid), default=0)", ["tests/test_invariants_faults.py", "-k", "cache-salt-ignored and dev"]),
     ("refengine/check/replay.py", "if config.enable_prefix_caching and failure is None:", "if False:",
      ["tests/test_prefix_caching.py"]),
+    # the rules refengine/sampling.py gives the engine and the reference alike: check.output_oracle's own
+    (SAMPLING, "any(s and s in text for s in params.stop)", "any(s and text.endswith(s) for s in params.stop)",
+     T_STREAMING),
+    (SAMPLING, "if num_generated >= params.max_tokens:", "if num_generated > params.max_tokens:", T_STREAMING),
+    (SAMPLING, "return text[:min(cuts)] if cuts else text", "return text[:max(cuts)] if cuts else text", T_STREAMING),
+    (SAMPLING, "return shifted - np.log(np.sum(np.exp(shifted)))", "return shifted",
+     ["refengine/suite/test_batching.py", "refengine/suite/test_reference.py"]),
 ]
 
 

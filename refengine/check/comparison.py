@@ -19,6 +19,7 @@ import numpy as np
 
 from ..sampling import log_softmax, ranked_logprobs
 from .margin_rule import Verdict, first_divergence
+from .output_oracle import log_softmax as oracle_log_softmax
 
 
 def logprob_tolerance(logit_tolerance: float) -> float:
@@ -44,10 +45,10 @@ def logprob_difference(got, want, num_logprobs: int, *, exact: bool, tolerance: 
     expected = num_logprobs if got.logits is None else min(num_logprobs, len(got.logits))
     if len(alternatives) != expected:
         return f"{len(alternatives)} alternatives reported, {num_logprobs} requested"
-    row = None if want.logits is None else log_softmax(np.asarray(want.logits, np.float64))
-    if exact:
-        if row is not None and want.logprob is None:
-            want_own, want_alternatives = ranked_logprobs(row, want.token_id, num_logprobs)
+    if exact:  # batched against alone: the engine's own arithmetic on both sides, bit for bit
+        if want.logits is not None and want.logprob is None:
+            want_own, want_alternatives = ranked_logprobs(log_softmax(np.asarray(want.logits, np.float64)),
+                                                          want.token_id, num_logprobs)
         else:
             want_own, want_alternatives = want.logprob, list(want.top_logprobs[:num_logprobs])
         if got.logprob != want_own:
@@ -60,6 +61,7 @@ def logprob_difference(got, want, num_logprobs: int, *, exact: bool, tolerance: 
         if len(alternatives) != len(want_alternatives):
             return f"{len(alternatives)} alternatives, {want_name} {len(want_alternatives)}"
         return None
+    row = None if want.logits is None else oracle_log_softmax(want.logits)  # defined apart (check.output_oracle)
     if row is None:  # no baseline row: compare by id where the baseline reported one
         known = dict(want.top_logprobs)
         pairs = [(got.token_id, got.logprob, want.logprob)] + [(i, v, known.get(i)) for i, v in alternatives]

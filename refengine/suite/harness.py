@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from ..check.calibrate import calibration_for
 from ..check.driver import run_batched
+from ..check.output_oracle import expected_finish, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
 from ..check.schedule import parse_schedule
-from ..sampling import cut_at_stop_string
 from ..strategies import schedules
 from ..strategies.engine_settings import MODES
 from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
@@ -181,8 +181,9 @@ def check_streaming(name: str, model_name: str, schedule: dict, choose_stops) ->
     """Property 6. `choose_stops(text)` picks stop strings for a request given the text it produces
     without any (so stops really occur). Then, for every request of the batched run: streamed deltas
     concatenate to the final text; the final text is the full decode of its tokens cut at the
-    earliest stop string; a stop ends the request exactly when a stop string has appeared; its tokens
-    are a prefix of the stop-free ones; and alone it gives the same tokens and text."""
+    earliest stop string; it keeps exactly the tokens of its stop-free run up to the first one that
+    completes a stop string (or an eos, or max_tokens), with that finish reason (check.output_oracle:
+    defined apart from the engine's rules); and alone it gives the same tokens and text."""
     model = tiny_model(model_name)
     config = parse_schedule(schedule, name).engine
     free = {r.id: baselines.alone(model, config, r) for r in parse_schedule(schedule, name).requests}
@@ -201,17 +202,19 @@ def check_streaming(name: str, model_name: str, schedule: dict, choose_stops) ->
     for request in parsed.requests:
         out, stops = engine.output(request.id), request.params.stop
         full = model.tokenizer.decode(out.token_ids)
-        expected = cut_at_stop_string(full, stops)
-        hit = [s for s in stops if s in full]
-        on_eos = bool(out.token_ids) and out.token_ids[-1] in model.config.eos_token_ids
+        expected = stop_cut(full, stops)
+        kept, reason = expected_finish(free[request.id].token_ids, model.tokenizer.decode, request.params,
+                                       model.config.eos_token_ids)
         if streamed[request.id] != out.text:
             problems.append(f"{request.id}: streamed {streamed[request.id]!r} != final text {out.text!r}")
         if out.text != expected:
             problems.append(f"{request.id}: final text {out.text!r} != the decode of its tokens cut at {stops}: "
                             f"{expected!r} (full decode {full!r})")
-        if (hit and out.finish_reason != "stop") or (out.finish_reason == "stop" and not (hit or on_eos)):
-            problems.append(f"{request.id}: finish_reason {out.finish_reason}, yet stop strings {hit} of {stops} "
-                            f"occur in {full!r}")
+        if out.finish_reason != "abort" and (out.token_ids, out.finish_reason) != \
+                (free[request.id].token_ids[:kept], reason):
+            problems.append(f"{request.id}: {len(out.token_ids)} tokens {out.token_ids}, finish_reason "
+                            f"{out.finish_reason!r}; its stop-free tokens {free[request.id].token_ids} under stops "
+                            f"{stops} end after {kept}, {reason!r}")
         if out.token_ids != free[request.id].token_ids[:len(out.token_ids)]:
             problems.append(f"{request.id}: tokens with stops {out.token_ids} are not a prefix of the tokens "
                             f"without {free[request.id].token_ids}")

@@ -1,11 +1,11 @@
 """The prefix cache as validate saw it: the loaded answers in their three groups (validate.plan.CACHE:
 cold, a cache_salt of their own, their whole prompt computed in the running batch; shared, the
 load's salt, taking what the load computed; warm, the alone phase's salt, taking what their alone
-answers left), how each group fared against its baseline, and how many prompt tokens
-the server says it served from its cache — per dialect: the OpenAI usage field
+answers left), how each group fared against its baseline, and how many prompt tokens the server says
+it served from its cache — per dialect: the OpenAI usage field
 (`prompt_tokens_details.cached_tokens`: vLLM, refengine), llama.cpp's `timings.cache_n`, and the
-prefix cache counters of the status source (vLLM's `vllm:prefix_cache_hits_total` /
-`_queries_total` on /metrics, refengine's status), over the alone phase and over the load.
+prefix cache counters of the status source (vLLM's `vllm:prefix_cache_hits_total` / `_queries_total`
+on /metrics, refengine's status), over the alone phase and over the load.
 
 A cold request that reports cached tokens took KV no request of its salt computed: the server
 ignores cache_salt, or its cache leaks across salts (a note: a server need not know the field).
