@@ -112,3 +112,30 @@ def test_untruthful_cached_tokens_fail_the_property(monkeypatch, tmp_path):
     monkeypatch.setattr(Scheduler, "_take_cached", forgets)
     with pytest.raises(PropertyFailure, match="r1: reports 0 cached tokens, its first chunk started at 16"):
         check("prefix-caching-is-exact", DEFAULT_MODEL, schedule)
+
+
+def test_a_continuation_is_the_earlier_prompt_its_answer_alone_and_a_next_turn():
+    """suite.harness.resolve_continuations: what a chat client resends, when it would send it."""
+    from refengine.check.driver import run_alone
+    from refengine.strategies import DEFAULT_MODEL, tiny_model
+    from refengine.strategies.shared_prefixes import edge_answer
+    from refengine.suite.harness import resolve_continuations
+
+    engine = {"mode": "invariant", "block_size": 4, "num_blocks": 4, "max_model_len": 24, "enable_prefix_caching": True}
+    first = {"id": "r0", "prompt_ids": [5, 6, 7], "max_tokens": 4, "arrival_step": 2}
+    plain = {"engine": engine, "requests": [first]}
+    assert resolve_continuations(DEFAULT_MODEL, plain) is plain  # nothing to resolve
+    schedule = {"engine": engine, "requests": [
+        first,
+        {"id": "r1", "prompt_ids": [9, 9], "max_tokens": 3, "arrival_step": 1, "abort_step": 4, "continues": "r0"},
+        {"id": "r2", "prompt_ids": list(range(1, 20)), "max_tokens": 3, "arrival_step": 0, "continues": "r1"}]}
+    resolved = resolve_continuations(DEFAULT_MODEL, schedule)
+    parsed = parse_schedule({"engine": engine, "requests": [first]}, "t")
+    alone = run_alone(tiny_model(DEFAULT_MODEL), parsed.engine, parsed.requests[0])
+    r0, r1, r2 = resolved["requests"]
+    assert r0 == first and "continues" not in r1 and "continues" not in r2
+    assert r1["prompt_ids"] == [5, 6, 7] + alone.token_ids + [9, 9]
+    assert r1["arrival_step"] == 2 + alone.finish_step + 1 + 1 and r1["abort_step"] - r1["arrival_step"] == 3
+    assert len(r2["prompt_ids"]) == 24 - 3 and r2["prompt_ids"][:len(r1["prompt_ids"])] == r1["prompt_ids"]
+    assert resolved["engine"]["num_blocks"] == 6 and schedule["engine"]["num_blocks"] == 4  # grown, on a copy
+    assert [edge_answer(3, 8, 4), edge_answer(3, 8, 16), edge_answer(4, 8, 1)] == [5, 8, 8]
