@@ -137,15 +137,15 @@ def test_a_leaked_admission_slot_is_found_and_shrinks(tiny_model, long_golden, t
     assert len(shrunk) == 1 and shrunk[0].stream and shrunk[0].cancel_after is not None, shrunk
 
 
-@pytest.mark.parametrize("fault, leg", [("evicted-block-still-cached", "after eviction"),
-                                       ("cached-prefix-last-block-dropped", "warm")])
-def test_a_served_prefix_cache_fault_fails_the_cold_warm_evicted_property(fault, leg, tiny_model, tmp_path,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("fault", ["evicted-block-still-cached", "cached-prefix-last-block-dropped"])
+def test_a_served_prefix_cache_fault_fails_the_cold_warm_evicted_property(fault, tiny_model, tmp_path, monkeypatch):
     """With the in-process suite server's cache (8-token blocks, a 1,024-token pool): a block reused
-    while still registered is found after the eviction pressure; a hit missing its last block, warm."""
+    while still registered (mostly seen after the eviction pressure), a hit missing its last block
+    (mostly seen warm). Which leg fails first depends on which requests of a schedule meet in the
+    cache, which is up to timing: any leg may."""
     monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
     hunt(tiny_model, fault, cold_warm_evicted, "cold_warm_evicted_on_faulty_server",
-         rf"^{leg}: answers that fail the margin rule|cold vs {leg}:",
+         r"^(cold|warm|after eviction): answers that fail the margin rule|cold vs (warm|after eviction):",
          engine={"block_size": 8, "num_blocks": 128, "enable_prefix_caching": True})
 
 
