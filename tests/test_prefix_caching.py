@@ -139,3 +139,17 @@ def test_a_continuation_is_the_earlier_prompt_its_answer_alone_and_a_next_turn()
     assert len(r2["prompt_ids"]) == 24 - 3 and r2["prompt_ids"][:len(r1["prompt_ids"])] == r1["prompt_ids"]
     assert resolved["engine"]["num_blocks"] == 6 and schedule["engine"]["num_blocks"] == 4  # grown, on a copy
     assert [edge_answer(3, 8, 4), edge_answer(3, 8, 16), edge_answer(4, 8, 1)] == [5, 8, 8]
+
+
+@pytest.mark.parametrize("salt", ["", 7])
+def test_a_bad_cache_salt_is_refused_naming_it_and_the_engine_stays_usable(tiny_model, salt):
+    from refengine.errors import RefengineError
+
+    schedule = {"engine": {}, "requests": [{"id": "r0", "prompt_ids": [1, 2], "cache_salt": salt}]}
+    with pytest.raises(RefengineError, match=r"request 'r0'\.cache_salt"):
+        parse_schedule(schedule, "s.json")
+    engine = LLMEngine(tiny_model, EngineConfig(enable_prefix_caching=True))
+    with pytest.raises(RefengineError, match="cache_salt"):
+        engine.add_request("r0", [1, 2], params=SamplingParams(max_tokens=2), cache_salt=salt)
+    engine.add_request("r0", [1, 2], params=SamplingParams(max_tokens=2), cache_salt="ok")
+    assert len(engine.run()["r0"].token_ids) == 2

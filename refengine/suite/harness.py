@@ -28,6 +28,7 @@ from ..check.schedule import parse_schedule
 from ..strategies import schedules
 from ..strategies.engine_settings import MODES
 from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
+from ..strategies.schedules import blocks_for
 
 REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
 MEMO_SIZE = 2048
@@ -152,8 +153,8 @@ def resolve_continuations(model_name: str, schedule: dict) -> dict:
             head, most = earlier["prompt_ids"] + answer, engine["max_model_len"] - request["max_tokens"]
             # no room for a next turn: the conversation resent as it was, as much of it as fits
             request["prompt_ids"] = head + raw["prompt_ids"][:most - len(head)] if len(head) < most else head[:most]
-            blocks = -(-(len(request["prompt_ids"]) + request["max_tokens"]) // engine["block_size"])
-            engine["num_blocks"] = max(engine["num_blocks"], blocks)
+            engine["num_blocks"] = max(engine["num_blocks"], blocks_for(len(request["prompt_ids"]) +
+                                                                        request["max_tokens"], engine["block_size"]))
         done[request["id"]] = request
     return {**schedule, "engine": engine, "requests": list(done.values())}
 
