@@ -191,6 +191,28 @@ def prompt_logits(model: Model, ids, dtype=np.float64):
     return forward(model.reference_weights(dtype), model.config, ids, KVCache())
 
 
+def adjusted_logits(logits, prompt_ids, output_ids, params: SamplingParams, eos_token_ids):
+    """The row a request's next token is chosen from (vLLM's logits processors, in vLLM's order), in
+    float64: while fewer than min_tokens tokens are out, its stop ids (eos unless ignore_eos, and
+    stop_token_ids) are impossible; then logit_bias is added; then every id seen in the prompt or the
+    output is pulled towards zero by the repetition penalty r (a positive logit divided by r, a
+    negative one multiplied); then each output id loses frequency_penalty per occurrence and
+    presence_penalty once. The model's own logits (and the logprobs reported from them) are untouched."""
+    x = np.array(logits, dtype=np.float64)                                  # [vocab]
+    vocab = len(x)
+    if len(output_ids) < params.min_tokens:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        x[[t for t in sorted(stops) if t < vocab]] = -np.inf
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=vocab)  # [vocab]
+    seen = counts > 0                                                        # [vocab]
+    seen_anywhere = seen | np.isin(np.arange(vocab), prompt_ids)             # [vocab]
+    r = params.repetition_penalty
+    x = np.where(seen_anywhere, np.where(x > 0, x / r, x * r), x)
+    return x - params.frequency_penalty * counts - params.presence_penalty * seen
+
+
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
@@ -214,22 +236,29 @@ class _Greedy:
         self.top_k, self.keep_logits = top_k_logprobs, keep_logits
         self.detok, self.cache = model.tokenizer.detokenizer(), KVCache()
         self.token_ids, self.steps, self.result = [], [], None
+        self.stop_from = 0  # stop strings count where they end past this (sampling.finish_reason)
         self.next_ids = self.prompt_ids  # what the next forward feeds: the prompt, then each new token
 
     def take(self, logits) -> None:  # logits [vocab]: the next token's
-        token = greedy_token(logits)
+        chosen_from = adjusted_logits(logits, self.prompt_ids, self.token_ids, self.params, self.cfg.eos_token_ids) \
+            if self.params.processes_logits else logits
+        token = greedy_token(chosen_from)
         logprob, top = token_logprobs(logits, token, self.top_k)
         self.token_ids.append(token)
-        self.steps.append(StepRecord(token, top2_margin(logits), top, logprob,
-                                     logits=logits if self.keep_logits else None))
+        kept = self.keep_logits
+        self.steps.append(StepRecord(token, top2_margin(chosen_from), top, logprob, logits=logits if kept else None,
+                                     adjusted=chosen_from if kept and self.params.processes_logits else None))
         self.detok.push(token)
-        reason = finish_reason(token, len(self.token_ids), self.detok.text, self.params, self.cfg.eos_token_ids)
+        if len(self.token_ids) <= self.params.min_tokens:
+            self.stop_from = len(self.detok.text)
+        reason = finish_reason(token, len(self.token_ids), self.detok.text, self.params, self.cfg.eos_token_ids,
+                               self.stop_from)
         if reason is None and len(self.prompt_ids) + len(self.token_ids) >= self.cfg.max_position_embeddings:
             reason = "length"
         if reason:
             self.detok.flush()
-            self.result = GenerationResult(self.prompt_ids, self.token_ids,
-                                           cut_at_stop_string(self.detok.text, self.params.stop), reason, self.steps)
+            text = cut_at_stop_string(self.detok.text, self.params.stop, self.stop_from)
+            self.result = GenerationResult(self.prompt_ids, self.token_ids, text, reason, self.steps)
         self.next_ids = [token]
 
 

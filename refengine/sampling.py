@@ -26,6 +26,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0         # how many top alternatives to report per step
+    # Logits processors (vLLM's semantics; the float64 definition is reference.adjusted_logits, the
+    # engine's engine/penalties.py: they share no code): stop ids masked for the first min_tokens
+    # tokens, then logit_bias added, then the repetition penalty over prompt and output tokens, then
+    # the frequency and presence penalties over output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -39,10 +48,73 @@ class SamplingParams:
             raise RefengineError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.temperature > 0 and self.seed is None:
             raise RefengineError("seed: sampling with temperature > 0 needs a seed (draws are keyed by it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RefengineError(f"{name}: must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise RefengineError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RefengineError(f"min_tokens: must be an integer in [0, max_tokens ({self.max_tokens})], "
+                                 f"got {self.min_tokens!r}")
+        ids = [token for token, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(not (isinstance(t, int) and t >= 0) for t in ids):
+            raise RefengineError(f"logit_bias: token ids must be distinct non-negative integers, got {ids!r}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise RefengineError(f"logit_bias: every bias must be in [-100, 100], got {dict(self.logit_bias)!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor changes its rows (else the row is sampled as the model gave it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """RefengineError naming logit_bias for a token id outside a vocabulary of `vocab_size`."""
+        outside = [token for token, _ in self.logit_bias if token >= vocab_size]
+        if outside:
+            raise RefengineError(f"logit_bias: token id(s) {outside} outside the vocabulary (0-{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+
+
+def processor_params(obj: dict) -> dict:
+    """SamplingParams keyword arguments from the PROCESSOR_KEYS of a JSON object (a schedule's request or
+    an OpenAI request body): `logit_bias` as OpenAI sends it, {"token id": bias}; RefengineError naming
+    the field for a value of the wrong type (ranges are SamplingParams's to check)."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = obj.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RefengineError(f"{name}: expected a number, got {value!r}")
+            out[name] = float(value)
+    min_tokens = obj.get("min_tokens")
+    if min_tokens is not None:
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+            raise RefengineError(f"min_tokens: expected an integer, got {min_tokens!r}")
+        out["min_tokens"] = min_tokens
+    bias = obj.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise RefengineError(f"logit_bias: expected an object of token id -> bias, got {bias!r}")
+        pairs = {}
+        for key, value in bias.items():
+            token = key if isinstance(key, int) and not isinstance(key, bool) else \
+                int(key) if isinstance(key, str) and key.isdigit() and key.isascii() else None
+            if token is None:
+                raise RefengineError(f"logit_bias: key {key!r} is not a token id (a non-negative integer)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RefengineError(f"logit_bias: the bias of token {key} must be a number, got {value!r}")
+            if token in pairs:
+                raise RefengineError(f"logit_bias: token {token} given twice")
+            pairs[token] = float(value)
+        out["logit_bias"] = tuple(sorted(pairs.items()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -55,6 +127,9 @@ class StepRecord:
     step: int | None = None            # the engine step that produced it; None in the reference
     logits_sha256: str | None = None   # of the float32 logits row (the engine's bit-exactness check)
     logits: np.ndarray | None = field(default=None, repr=False, compare=False)  # kept only on request
+    # The float64 row its logits processors made from `logits` (what the token was chosen from), kept
+    # with `logits` where the request has processors.
+    adjusted: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def greedy_token(logits: np.ndarray) -> int:
@@ -170,20 +245,27 @@ def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -
 
 
 def finish_reason(token_id: int, num_generated: int, text: str, params: SamplingParams,
-                  eos_token_ids) -> str | None:
-    """'stop' on an eos id, a stop token id or a stop string; 'length' at max_tokens; else None."""
+                  eos_token_ids, stop_from: int = 0) -> str | None:
+    """'stop' on an eos id, a stop token id or a stop string; 'length' at max_tokens; else None. The
+    first min_tokens tokens never stop (their stop ids are masked before sampling as well), and a stop
+    string counts only where it ends past `stop_from`, the length of their text (vLLM looks for stop
+    strings only in text that tokens after min_tokens added)."""
+    if num_generated <= params.min_tokens:
+        return "length" if num_generated >= params.max_tokens else None
     if not params.ignore_eos and token_id in eos_token_ids:
         return "stop"
     if token_id in params.stop_token_ids:
         return "stop"
-    if any(s and s in text for s in params.stop):
+    if any(s and s in text[max(0, stop_from - len(s) + 1):] for s in params.stop):
         return "stop"
     if num_generated >= params.max_tokens:
         return "length"
     return None
 
 
-def cut_at_stop_string(text: str, stops) -> str:
-    """The text up to (not including) the earliest stop string, as OpenAI servers return it."""
-    cuts = [text.find(s) for s in stops if s and s in text]
+def cut_at_stop_string(text: str, stops, stop_from: int = 0) -> str:
+    """The text up to (not including) the earliest stop string that ends past `stop_from` (see
+    finish_reason), as OpenAI servers return it."""
+    cuts = [text.find(s, max(0, stop_from - len(s) + 1)) for s in stops if s]
+    cuts = [c for c in cuts if c >= 0]
     return text[:min(cuts)] if cuts else text

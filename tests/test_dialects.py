@@ -1,7 +1,9 @@
 """`refengine validate` against servers that speak other dialects than refengine's own: a real HTTP
 server (stdlib http.server on 127.0.0.1, in a thread) answers from the shipped golden file the way
 vLLM, llama.cpp and HF `transformers serve` do — ids in other places or none at all, no [DONE], a
-trailing incomplete character held back — and validate must judge every answer, not the dialect."""
+trailing incomplete character held back — and validate must judge every answer, not the dialect. A
+server that answers from a golden file cannot apply logits processors: these refuse them by name (HF's
+refuses every field it does not know), which the surface probe records as refused."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ from refengine.check.golden import read_golden
 from refengine.check.margin_rule import judge_text
 from refengine.cli import main
 from refengine.data import shipped
+from refengine.sampling import PROCESSOR_KEYS
 from refengine.validate.board import Cases, validate
 from refengine.validate.plan import Settings
 
@@ -88,6 +91,9 @@ def dialect_server(golden, dialect: str):
                 if unexpected or unused:
                     what = "Unexpected keys" if unexpected else "Unsupported fields"
                     return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
+            processors = sorted(set(body) & set(PROCESSOR_KEYS))
+            if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
+                return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
             answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"))
             logprobs = body.get("logprobs") and (api == "completions" or body.get("top_logprobs"))
             if body.get("stream"):

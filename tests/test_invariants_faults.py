@@ -88,6 +88,13 @@ CAUGHT_BY = {
     "cached-prefix-last-block-dropped": "prefix-caching-is-exact",
     "cache-salt-ignored": "prefix-caching-is-exact",
     "cached-block-with-uncomputed-token": "prefix-caching-is-exact",
+    "penalty-counts-by-batch-row": "invariant-mode-is-exact",
+    "logit-bias-wrong-row": "invariant-mode-is-exact",
+    "penalty-counts-lost-on-resume": "invariant-mode-is-exact",
+    "frequency-penalty-counts-prompt": "reference-agreement",
+    "repetition-penalty-ignores-sign": "reference-agreement",
+    "min-tokens-counts-prompt": "reference-agreement",
+    "logits-processors-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached": "holds other KV than when it was registered",
@@ -97,8 +104,11 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
 def dev_profile():
     """The loaded profile's example budget (dev: 25), derandomized so the verdict is the same on every
     run, without the example database (every run must find the fault afresh) and without the explain
-    phase (its report is not needed here)."""
-    return settings(settings.default, database=None, derandomize=True,
+    phase (its report is not needed here). Generation stops at the first failure (report_multiple_bugs
+    off): with it on, Hypothesis keeps generating for up to 10 s of wall time after the first failure,
+    so what it found depended on how fast the machine was. (Which modules are loaded moves Hypothesis's
+    draws too: the suite's plugin loads them all first, suite.plugin.pytest_collection_finish.)"""
+    return settings(settings.default, database=None, derandomize=True, report_multiple_bugs=False,
                     phases=[p for p in Phase if p is not Phase.explain])
 
 

@@ -14,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from dataclasses import replace
 
 import pytest
 from test_invariants_faults import MAX_SHRUNK_REQUESTS, SmallEnough
@@ -24,15 +26,19 @@ from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.errors import RefengineError
 from refengine.serve import OpenAIServer
+from refengine.strategies.http_schedules import HttpRequest
 from refengine.suite.harness import PropertyFailure
 from refengine.suite.plugin import HTTP_MAX_WAITING
 from refengine.suite.test_http import (
     answers_match_golden,
+    applies_what_it_accepts,
     cold_warm_evicted,
     connect,
     hang_ups_are_aborts,
     http_property,
+    processed_answers_equal_alone,
     server_drains,
+    with_processed,
 )
 
 pytestmark = [pytest.mark.invariants, pytest.mark.http,
@@ -81,13 +87,13 @@ def long_golden(tiny_model, tmp_path_factory):
 
 
 def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lambda schedule: True,
-         golden=None, engine=None, **server_settings):
+         golden=None, engine=None, processed=False, **server_settings):
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
     derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
     PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough.
     `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
-    EngineConfig settings."""
+    EngineConfig settings; `processed`: schedules of the cases' processed variants (validate.surface)."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,
                                                    **(engine or {})),
                           host="127.0.0.1", **server_settings)
@@ -103,8 +109,9 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     on_faulty_server.__name__ = name
     try:
         found = http_property(on_faulty_server,
-                              connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl"))),
-                              derandomize=True, database=None, report_multiple_bugs=False)
+                              (with_processed if processed else lambda server: server)(
+                                  connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl")))),
+                              processed=processed, derandomize=True, database=None, report_multiple_bugs=False)
         with pytest.raises(SmallEnough) as small:
             found()
     finally:
@@ -217,3 +224,76 @@ def test_the_http_properties_pass_on_a_clean_server_with_every_core_busy(tmp_pat
             p.wait()
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert re.search(r"\bpassed\b", run.stdout) and not re.search(r"\bskipped\b", run.stdout), run.stdout[-2000:]
+
+
+# --- logits processors over HTTP -----------------------------------------------------------------
+def hold_until_added(server: OpenAIServer, count: int, deadline_s: float = 60.0) -> None:
+    """From now on, the server steps nothing until `count` more requests are in its engine: they share
+    their first step however slowly this machine starts the clients."""
+    engine, step, add = server.engine, server.engine.step, server.engine.add_request
+    added: list[float] = []
+
+    def counted_add(*args, **kwargs):
+        added.append(time.monotonic())
+        return add(*args, **kwargs)
+
+    def held_step():
+        if 0 < len(added) < count and time.monotonic() - added[0] < deadline_s:
+            time.sleep(0.001)  # the engine thread admits the next arrival between steps
+            return []
+        return step()
+
+    engine.add_request, engine.step = counted_add, held_step
+
+
+def test_a_penalty_row_bug_fails_the_processed_answers_property(tiny_model, tmp_path, monkeypatch):
+    """penalty-counts-by-batch-row served: a short answer with penalties, then a long one, in one batch;
+    when the short one leaves, the long one's row moves into its place without its counts, and its
+    answer differs from its answer alone. The same two requests pass on a clean server."""
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
+    golden = read_golden(shipped("golden", "tiny-random.jsonl"))
+    for fault in ("penalty-counts-by-batch-row", None):
+        server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, fault=fault),
+                              host="127.0.0.1")
+        server.start()
+        try:
+            # the long one a tenth of a second after the short one, however slow this machine: it joins second
+            connected = replace(with_processed(connect(server.url, golden)), arrival_step_s=0.02)
+            index = {case.id: n for n, case in enumerate(connected.processed.cases)}
+            schedule = [HttpRequest(index["green-thing+penalties"], "green-thing+penalties", "chat", False, 0, None),
+                        HttpRequest(index["story+penalties"], "story+penalties", "completions", False, 5, None)]
+            hold_until_added(server, len(schedule))
+            if fault:
+                with pytest.raises(PropertyFailure, match="answers with logits processors that differ"):
+                    processed_answers_equal_alone(connected, schedule)
+            else:
+                processed_answers_equal_alone(connected, schedule)
+        finally:
+            server.close()
+
+
+def test_a_server_that_ignores_processors_it_accepts_fails_the_probe_and_validate(tiny_model, tmp_path):
+    """logits-processors-ignored: the property names what is ignored; validate FAILs with a FINDING line,
+    and passes that part against a clean server."""
+    golden_path = shipped("golden", "tiny-random.jsonl")
+    for fault in ("logits-processors-ignored", None):
+        server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
+        server.start()
+        try:
+            connected = connect(server.url, read_golden(golden_path))
+            report = tmp_path / f"report-{fault}.json"
+            code = main(["validate", "--url", server.url, "--golden", str(golden_path), "--report", str(report),
+                         "--repro", str(tmp_path / f"repro-{fault}.json")])
+            surface = json.loads(report.read_text())["surface"]
+            if fault:
+                with pytest.raises(PropertyFailure, match="logit_bias"):
+                    applies_what_it_accepts(connected)
+                assert code == 1
+                assert {surface[api]["logit_bias"]["verdict"] for api in surface} == {"ignored"}
+            else:
+                applies_what_it_accepts(connected)
+                assert {v["verdict"] for verdicts in surface.values() for v in verdicts.values()} <= \
+                    {"applied", "accepted"}
+                assert {surface[api]["logit_bias"]["verdict"] for api in surface} == {"applied"}
+        finally:
+            server.close()

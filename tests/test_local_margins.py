@@ -139,16 +139,22 @@ def test_with_the_model_every_text_only_divergence_has_the_float64_margin_of_its
     assert code == 1 and diverged and report["margins"]["fingerprint"] == default_model.fingerprint
     cases = {c.id: c for c in seed_questions()}
     alone = {r["case"]: r["text"] for r in report["alone"]}
+    measured = []
     for r in diverged:
-        assert r["compared_by"] == "text" and r["margin_from"] == "model" and r["step"] is not None, r
+        assert r["compared_by"] == "text" and r["step"] is not None, r
         # the alone answer is the float64 greedy one here (a float32 server), so its margins are generation's
         case = cases[r["case"]]
         ids = default_model.tokenizer.encode(alone[r["case"]], add_special_tokens=False)
         greedy = generate(default_model, case.encode(default_model), SamplingParams(max_tokens=case.max_tokens))
         assert greedy.text == alone[r["case"]] and greedy.token_ids[:len(ids)] == ids  # (less a final eos)
+        if r["step"] >= len(ids):  # the loaded answer runs on where the alone text ended: no margin explains that
+            assert r["margin"] is None and r["margin_from"] is None, r
+            continue
+        assert r["margin_from"] == "model", r
         assert r["margin"] == pytest.approx(float64_margins(default_model, case)[r["step"]], abs=1e-9)
         assert r["margin"] > 1.0  # a batching bug, not a near-tie: the seeds' 0.71, not their 0.032
-    assert report["margins"]["measured"] == len({(r["case"], r["step"]) for r in diverged})
+        measured.append((r["case"], r["step"]))
+    assert measured and report["margins"]["measured"] == len(set(measured))
 
 
 def test_with_the_model_a_clean_text_only_server_passes_and_measures_nothing(default_model, tmp_path, prompts):

@@ -3,9 +3,10 @@ the package (a boundary, a dropped condition, a swapped source), and the tests n
 on that copy. A mutant whose text is no longer in its module fails here too, so the list cannot rot.
 Covers validate/aborts, validate/bounds, validate/effects, validate/junit, the finish-reason dialect
 of validate/baseline, board's abort count, validate/cache with the cached-token figures it reads,
-the cache groups and salts, check/prefix_cache, and refengine/sampling.py's finish, stop-cut and
-log-softmax rules, which the shipped properties hold to check/output_oracle (slow: a pytest run per
-mutant)."""
+the cache groups and salts, check/prefix_cache, refengine/sampling.py's finish, stop-cut and
+log-softmax rules, which the shipped properties hold to check/output_oracle, the oracle's min_tokens
+rules, the processed-row comparison and its noise gain, and validate/surface's probe (slow: a pytest run
+per mutant)."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,10 @@ T_ABORTS = ["tests/test_aborts.py"]
 T_EFFECTS = ["tests/test_effects.py"]
 CACHE, T_CACHE = "refengine/validate/cache.py", ["tests/test_validate_cache.py"]
 SAMPLING, T_STREAMING = "refengine/sampling.py", ["refengine/suite/test_streaming.py"]
+ORACLE, T_ORACLE = "refengine/check/output_oracle.py", ["tests/test_output_oracle.py"]
+T_PENALTIES = ["tests/test_penalties.py"]
+SURFACE, T_SURFACE = "refengine/validate/surface.py", ["tests/test_validate_surface.py"]
+T_PROBE = ["tests/test_invariants_http.py", "-k", "ignores_processors"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
@@ -94,6 +99,20 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (SAMPLING, "return text[:min(cuts)] if cuts else text", "return text[:max(cuts)] if cuts else text", T_STREAMING),
     (SAMPLING, "return shifted - np.log(np.sum(np.exp(shifted)))", "return shifted",
      ["refengine/suite/test_batching.py", "refengine/suite/test_reference.py"]),
+    (ORACLE, "        if count <= params.min_tokens:\n", "        if count < params.min_tokens:\n", T_ORACLE),
+    (ORACLE, "and position + len(stop) > after for stop in stops", "for stop in stops", T_ORACLE),
+    (ORACLE, 'return len(text.rstrip("\\ufffd"))', "return len(text)", T_ORACLE),
+    ("refengine/check/comparison.py", "if processed is not None and (", "if False and (", T_PENALTIES),
+    ("refengine/check/comparison.py", "out=np.zeros_like(g), where=~both)", "out=np.zeros_like(g))", T_PENALTIES),
+    ("refengine/check/margin_rule.py", "    return max(r, 1 / r)\n", "    return r\n", T_PENALTIES),
+    ("refengine/check/replay.py", "(tol or 0.0) * processed_noise_gain(request.params)", "(tol or 0.0)",
+     T_PENALTIES),
+    (SURFACE, "if margin < gain / 2:", "if margin < gain:", T_SURFACE),
+    (SURFACE, "gain = PENALTY * (k - rival) if", "gain = PENALTY * k if", T_SURFACE),
+    (SURFACE, "else PENALTY * (rival == 0)", "else PENALTY", T_SURFACE),
+    (SURFACE, "        if not k or margin is None:\n", "        if margin is None:\n", T_SURFACE),
+    (SURFACE, "        elif _changed(plain, got, step):\n", "        elif True:\n", T_PROBE),
+    (SURFACE, "if v[\"verdict\"] == \"ignored\"]", "if v[\"verdict\"] != \"applied\"]", T_SURFACE),
 ]
 
 

@@ -40,8 +40,38 @@ def test_a_request_ends_at_the_first_token_that_ends_it(params, finish):
     assert expected_finish([1, 2, 3, 4, 9, 1], decode, params, eos_token_ids=(9,)) == finish
 
 
+@pytest.mark.parametrize("params, finish", [
+    (SamplingParams(max_tokens=10, stop_token_ids=(3,), min_tokens=3), (5, "stop")),  # the 3rd may not stop
+    (SamplingParams(max_tokens=10, stop_token_ids=(3,), min_tokens=2), (3, "stop")),  # the 3rd may
+    (SamplingParams(max_tokens=3, stop_token_ids=(3,), min_tokens=3), (3, "length")),
+    (SamplingParams(max_tokens=10, stop=("bc",), min_tokens=2), (5, "stop")),  # "bc" ends in the 2nd token's text
+    (SamplingParams(max_tokens=10, stop=("cd",), min_tokens=2), (3, "stop")),  # "cd" ends past it
+])
+def test_the_first_min_tokens_tokens_never_stop(params, finish):
+    assert expected_finish([1, 2, 3, 4, 9, 1], decode, params, eos_token_ids=(9,)) == finish
+
+
+@pytest.mark.parametrize("text, stops, after, cut", [
+    ("abcdef", ["b"], 2, "abcdef"),    # ends at character 2, not past it
+    ("abcdef", ["bc"], 2, "a"),        # begins before, ends past: counts, and the cut is where it begins
+    ("abcabc", ["b"], 2, "abca"),      # the first occurrence that counts
+])
+def test_a_stop_string_counts_only_where_it_ends_past_the_min_tokens_text(text, stops, after, cut):
+    assert stop_cut(text, stops, after) == cut
+
+
 def test_log_probabilities_are_logits_minus_the_rows_logsumexp():
     row = np.array([3.0, 2.0, 1.0, -np.inf], np.float32)
     expected = [x - math.log(math.exp(3) + math.exp(2) + math.exp(1)) for x in (3.0, 2.0, 1.0)]
     got = log_softmax(row)
     assert got.dtype == np.float64 and np.allclose(got[:3], expected, rtol=0, atol=1e-15) and got[3] == -np.inf
+
+
+def test_the_min_tokens_text_ends_where_its_settled_characters_do():
+    """A character still incomplete after the min_tokens-th token (U+FFFD in a prefix's decode) is not
+    part of their text: a stop string that begins with it ends past it, and counts."""
+    def decode_utf8(ids):
+        return b"".join({1: b"ab", 5: b"\xc3", 6: b"\xa9", 7: b"z"}[i] for i in ids).decode("utf-8", "replace")
+    params = SamplingParams(max_tokens=10, min_tokens=2, stop=("\u00e9",))
+    assert decode_utf8([1, 5]) == "ab\ufffd"
+    assert expected_finish([1, 5, 6, 7], decode_utf8, params, eos_token_ids=()) == (3, "stop")

@@ -26,7 +26,7 @@ from refengine.serve import OpenAIServer
 
 DEADLINE_S = 30
 MAX_BODY = 64 * 1024
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop", "stop_token_ids")
 
 CAPITAL = {"messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 20}
 COLOUR = {"messages": [{"role": "user", "content": "What is your favourite colour?"}], "max_tokens": 24,
@@ -137,6 +137,11 @@ def serial(model, kind: str, body: dict, logprobs: int = 0):
     sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
     if isinstance(sampling.get("stop"), (str, list)):
         sampling["stop"] = tuple([sampling["stop"]] if isinstance(sampling["stop"], str) else sampling["stop"])
+    sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ()))
+    sampling.update({k: body[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                     if k in body})
+    if "logit_bias" in body:
+        sampling["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in body["logit_bias"].items()))
     engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1))
     engine.add_request("serial", prompt_ids_of(model, kind, body), params=SamplingParams(**sampling, logprobs=logprobs))
     return engine.run()["serial"]
@@ -152,7 +157,15 @@ def assert_matches_serial(got: dict, expected, prompt_ids: list[int]):
 
 
 # --- answers --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,body", POOL, ids=["chat-greedy", "chat-sampled", "text-prompt", "id-prompt-sampled"])
+PROCESSED = [("chat", {**CAPITAL, "frequency_penalty": 2.0, "presence_penalty": -1.0, "repetition_penalty": 1.5}),
+             ("completion", {**IDS_SAMPLED, "logit_bias": {"7": 5.0, "13": -100}, "repetition_penalty": 0.5}),
+             ("completion", {"prompt": [5, 9, 13], "max_tokens": 8, "min_tokens": 3, "stop_token_ids": [42],
+                             "logit_bias": {"42": 100}})]
+
+
+@pytest.mark.parametrize("kind,body", POOL + PROCESSED, ids=["chat-greedy", "chat-sampled", "text-prompt",
+                                                             "id-prompt-sampled", "chat-penalties", "sampled-bias",
+                                                             "min-tokens-forced-stop"])
 def test_streaming_and_whole_answers_equal_the_serial_engine(server, tiny_model, kind, body):
     expected = serial(tiny_model, kind, body)
     prompt_ids = prompt_ids_of(tiny_model, kind, body)
@@ -265,6 +278,16 @@ BAD_REQUESTS = {
                                  400, "chat_template_kwargs"),
     "stop-not-strings": ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     "n-2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    "presence-penalty-3": ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    "frequency-penalty-text": ("/v1/completions", {"prompt": "hi", "frequency_penalty": "1"}, 400,
+                               "frequency_penalty"),
+    "repetition-penalty-0": ("/v1/chat/completions", {**CAPITAL, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    "logit-bias-outside-vocab": ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 5}}, 400, "logit_bias"),
+    "logit-bias-not-an-id": ("/v1/completions", {"prompt": "hi", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    "logit-bias-200": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    "min-tokens-above-max": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400,
+                             "min_tokens"),
+    "min-tokens-negative": ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     "beyond-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     "oversize-body": ("/v1/completions", {"prompt": "x" * MAX_BODY}, 413, None),

@@ -192,7 +192,7 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
     assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, logprobs when asked
         "return_token_ids": "sent", "cache_salt": "sent", "no_done_marker": False, "streams_without_done": 0,
-        "probe_requests": 2,
+        "probe_requests": 2, "surface_requests": 12,  # six per API: a plain answer, then each logits processor
         "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": True, "logprobs": True,
                                     "prompt_token_ids": True} for api in ("chat", "completions")}}
     assert "-> PASS" in out
@@ -204,7 +204,8 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert lone["ok"] and lone["must"] == [lone["id"]] and lone["counted"] == 1
     assert status["requests_aborted"] == report["drain"]["aborts"]["counted"] + 1  # the load's aborts are its own
     assert status["requests_finished"] + status["requests_aborted"] == status["requests_total"] == \
-        len(requests) + report["dialect"]["probe_requests"] + len(report["alone"]) + 1  # + probes, alone, lone
+        len(requests) + report["dialect"]["probe_requests"] + report["dialect"]["surface_requests"] + \
+        len(report["alone"]) + 1  # + probes, the surface probe, alone, lone
     assert status["requests_aborted"] <= summary["cancelled"] + 1  # a hang-up can come after the last token
     assert (status["max_batch_active"] > 1) == (max_num_seqs > 1)
 

@@ -1,9 +1,11 @@
 """Judging one request's run against a baseline run of the same request: exact, or by the margin rule.
 
-Exact (invariant mode): every token id and every logits row (its sha256) must be identical.
+Exact (invariant mode): every token id and every logits row (its sha256) must be identical, and so
+must the row a request's logits processors made from it, where it has any (StepRecord.adjusted).
 Margin-explained (fast mode, float32 vs float64): tokens must be identical, except at a first
 divergence the margin rule (check.margin_rule) forgives; on every agreeing step the largest logit
-deviation must stay within `noise_tolerance`. Both tolerances come from a calibration
+deviation must stay within `noise_tolerance`, and a processed row's within `margin_tolerance` (the
+noise as processing can grow it: check.margin_rule.processed_noise_gain). Both tolerances come from a calibration
 (check.calibrate), never from the runs being judged.
 An aborted run's tokens need only be a prefix of the other's.
 
@@ -88,6 +90,16 @@ def logit_deviation(got, want) -> float | None:
     return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
 
 
+def adjusted_deviation(got, want) -> float | None:
+    """The largest |difference| between two processed rows (StepRecord.adjusted); ids both rows rule out
+    (-inf) agree, an id only one rules out is infinitely far. None where either row is not known."""
+    if got is None or want is None:
+        return None
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    both = np.isneginf(g) & np.isneginf(w)
+    return float(np.max(np.abs(np.subtract(g, w, out=np.zeros_like(g), where=~both)), initial=0.0))
+
+
 def compare_request(request_id: str, got, want, *, exact: bool, margin_tolerance: float = 0.0,
                     noise_tolerance: float = 0.0, num_logprobs: int | None = None,
                     names: tuple[str, str] = ("got", "baseline")) -> Verdict:
@@ -115,6 +127,11 @@ def compare_request(request_id: str, got, want, *, exact: bool, margin_tolerance
         if exact and g.logits_sha256 is not None and w.logits_sha256 is not None \
                 and g.logits_sha256 != w.logits_sha256:
             return verdict("diverged", "same token but the logits row differs (bitwise)", i, deviation,
+                           g.token_id, w.token_id)
+        processed = adjusted_deviation(g.adjusted, w.adjusted)
+        if processed is not None and (processed != 0 if exact else processed > margin_tolerance):
+            return verdict("diverged", f"same token but the row its penalties, bias and min_tokens made differs by "
+                           f"{processed:.3g} (bound {0 if exact else margin_tolerance:.3g})", i, deviation,
                            g.token_id, w.token_id)
         if not exact and deviation is not None and deviation > noise_tolerance:
             return verdict("diverged", "logit deviation above the noise tolerance", i, deviation,

@@ -51,6 +51,15 @@ def tolerance(calibration: dict, bound: str) -> float:
     return calibration[bound] * calibration["safety_factor"]
 
 
+def processed_noise_gain(params) -> float:
+    """How much a request's logits processors can grow the noise of its rows: its margins are measured on
+    the processed row (what the token is chosen from), in which the repetition penalty r scales every seen
+    logit by r or 1/r; bias and the other penalties shift logits by the same amount on both sides of a
+    comparison (computed in float64 there), so they leave the noise as it was."""
+    r = params.repetition_penalty
+    return max(r, 1 / r)
+
+
 def first_divergence(margin: float | None, tolerance: float) -> str:
     """The rule itself: "explained" where the baseline margin is within tolerance, else "diverged"
     (also where the baseline had ended: there is no margin to explain a longer answer)."""

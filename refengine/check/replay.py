@@ -26,7 +26,7 @@ from .comparison import (
     logprob_tolerance,
 )
 from .driver import configured, run_alone, run_batched, settings_text
-from .margin_rule import Verdict, describe, tolerance
+from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .prefix_cache import cache_problems
 from .schedule import Schedule, ScheduledRequest
 
@@ -113,7 +113,8 @@ def _prefill_verdict(model, config, request, baselines: Baselines, exact: bool, 
     for i in range(1, len(decoded.token_ids)):
         prefix = decoded.prompt_ids + decoded.token_ids[:i]
         fresh = baselines.alone(model, config, replace(request, prompt={"prompt_ids": prefix},
-                                                      params=replace(request.params, max_tokens=1))).steps[0]
+                                                      params=replace(request.params, max_tokens=1,
+                                                                     min_tokens=0))).steps[0]
         step = decoded.steps[i]
         deviation = logit_deviation(step.logits, fresh.logits)
         problem = "decode logits differ from a fresh prefill" \
@@ -170,6 +171,7 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
                 "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
                 "budget": lambda: wanted[request.id]}[against]()
         verdicts[request.id] = compare_request(request.id, outputs[request.id], want, exact=exact,
-                                               margin_tolerance=tol or 0.0, noise_tolerance=tol or 0.0,
+                                               margin_tolerance=(tol or 0.0) * processed_noise_gain(request.params),
+                                               noise_tolerance=tol or 0.0,
                                                num_logprobs=request.logprobs, names=names)
     return ReplayResult(schedule, config, against, verdicts, outputs, engine.trace, tol, failure, names)

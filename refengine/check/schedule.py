@@ -6,6 +6,9 @@ the top level.
 
 A request's optional `logprobs`: K (an integer >= 0) asks for the chosen token's log-probability at
 every step and the K most likely alternatives with theirs (0: the chosen token's only); absent, none.
+Logits processors (vLLM's names and semantics, reference.adjusted_logits): `presence_penalty`,
+`frequency_penalty` (each in [-2, 2]), `repetition_penalty` (in (0, 2]), `logit_bias` ({"token id":
+bias in [-100, 100]}) and `min_tokens` (0 to max_tokens).
 The engine is asked as the server asks it (SamplingParams.logprobs = max(K, 1): it reports at least
 one alternative); ScheduledRequest.logprobs keeps K, the number of alternatives compared.
 """
@@ -18,12 +21,12 @@ from pathlib import Path
 from ..engine import EngineConfig
 from ..engine.config import SETTINGS
 from ..errors import RefengineError
-from ..sampling import SamplingParams
+from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
 
 ENGINE_KEYS = set(SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", "cache_salt"}
+                "stop_token_ids", "ignore_eos", "logprobs", "cache_salt", *PROCESSOR_KEYS}
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
 
 
@@ -94,7 +97,7 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
         params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
                                 ignore_eos=bool(raw.get("ignore_eos", False)),
-                                logprobs=0 if logprobs is None else max(logprobs, 1))
+                                logprobs=0 if logprobs is None else max(logprobs, 1), **processor_params(raw))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
     return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt)

@@ -38,6 +38,13 @@ class Fault(Enum):
     CACHED_PREFIX_LAST_BLOCK_DROPPED = "cached-prefix-last-block-dropped"
     CACHE_SALT_IGNORED = "cache-salt-ignored"
     CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN = "cached-block-with-uncomputed-token"
+    PENALTY_COUNTS_BY_BATCH_ROW = "penalty-counts-by-batch-row"
+    LOGIT_BIAS_WRONG_ROW = "logit-bias-wrong-row"
+    PENALTY_COUNTS_LOST_ON_RESUME = "penalty-counts-lost-on-resume"
+    FREQUENCY_PENALTY_COUNTS_PROMPT = "frequency-penalty-counts-prompt"
+    REPETITION_PENALTY_IGNORES_SIGN = "repetition-penalty-ignores-sign"
+    MIN_TOKENS_COUNTS_PROMPT = "min-tokens-counts-prompt"
+    LOGITS_PROCESSORS_IGNORED = "logits-processors-ignored"
 
 
 DESCRIPTIONS = {
@@ -110,6 +117,27 @@ DESCRIPTIONS = {
         "with prefix caching, a block is registered as soon as the token that fills it is sampled, before "
         "its KV is computed: a finished request's answer ends in a token whose KV was never written, and a "
         "conversation resent with that answer appended takes the block and attends to the unwritten slot",
+    Fault.PENALTY_COUNTS_BY_BATCH_ROW:
+        "when a request with logits processors leaves, the last penalty row moves into its place but its "
+        "output-token counts stay behind: the moved request is penalized for the departed one's tokens",
+    Fault.LOGIT_BIAS_WRONG_ROW:
+        "when a request with logits processors leaves, the last penalty row moves into its place but its "
+        "logit bias stays behind: the moved request is biased as the departed one asked",
+    Fault.PENALTY_COUNTS_LOST_ON_RESUME:
+        "a request resumed after a preemption gets a penalty row that counts only the tokens it generates "
+        "from then on: the frequency and presence penalties forget its earlier output",
+    Fault.FREQUENCY_PENALTY_COUNTS_PROMPT:
+        "the frequency and presence penalties count the prompt's tokens as output (identical batched and "
+        "alone: only the float64 reference sees it)",
+    Fault.REPETITION_PENALTY_IGNORES_SIGN:
+        "the repetition penalty divides every seen logit by the penalty, so a negative one moves up instead of "
+        "down (the original CTRL formula; identical batched and alone: only the float64 reference sees it)",
+    Fault.MIN_TOKENS_COUNTS_PROMPT:
+        "min_tokens is held against prompt plus output tokens, so a prompt longer than min_tokens lets eos and "
+        "stop ids through at once (identical batched and alone: only the float64 reference sees it)",
+    Fault.LOGITS_PROCESSORS_IGNORED:
+        "the server accepts penalties, logit_bias and min_tokens and drops them before the engine sees the "
+        "request: every answer is the plain one (serve layer)",
     Fault.SLOT_LEAK:
         "an admission slot is not returned when a request ends by a hang-up (abort) or an error, so "
         "leaked slots turn into refused requests (serve layer)",

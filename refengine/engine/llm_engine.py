@@ -40,9 +40,11 @@ from ..sampling import (
     SamplingParams,
     StepRecord,
     finish_reason,
+    greedy_token,
     log_softmax,
     ranked_logprobs,
     sample_token,
+    top2_margin,
 )
 from .block_manager import BlockManager, salt_root
 from .config import EngineConfig
@@ -51,6 +53,7 @@ from .kernels import top2
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, TokenEvent, request_output
+from .penalties import PenaltyRows
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
@@ -73,6 +76,8 @@ class LLMEngine:
                                           unlist_hits=fault is not Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config)
+        self.penalties = PenaltyRows(model.config.vocab_size, model.config.eos_token_ids, fault)
+        self.requests_with_logits_processors = 0
         self.sequences: dict[str, Sequence] = {}
         self.num_steps = 0
         self.trace: list[dict] = []
@@ -103,6 +108,10 @@ class LLMEngine:
             raise RefengineError(f"request {request_id!r}: params must be a SamplingParams")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RefengineError(f"request {request_id!r}: cache_salt: expected a non-empty string, got {cache_salt!r}")
+        try:
+            params.check_vocabulary(self.model.config.vocab_size)
+        except RefengineError as e:
+            raise RefengineError(f"request {request_id!r}: {e}") from None
         tokenizer = self.model.tokenizer
         try:
             if prompt is not None:
@@ -114,6 +123,7 @@ class LLMEngine:
             raise RefengineError(f"request {request_id!r}: {e}") from None
         seq = Sequence(request_id, prompt_ids, params, tokenizer.detokenizer(), self.num_steps,
                        self._salt_root(cache_salt))
+        self.requests_with_logits_processors += params.processes_logits
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
 
@@ -128,6 +138,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq, "abort", self.num_steps)
         self._pending_aborts.append(seq)
+        self._release_penalty_rows()
         return True
 
     def has_unfinished(self) -> bool:
@@ -142,6 +153,7 @@ class LLMEngine:
             seq.final_events += 1
         aborted, self._pending_aborts = [s.request_id for s in self._pending_aborts], []
         output = self.scheduler.schedule()
+        self._release_penalty_rows()
         kv_blocks_used = self.block_manager.num_used_blocks
         sampling = [c for c in output.chunks if c.samples]
         logits = self.runner.execute(output.chunks, self.block_manager) if output.chunks else ()
@@ -153,13 +165,39 @@ class LLMEngine:
         leaked_seed = seeds[0] if self._leak_seed and seeds else None
         logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling])
         best, margins = top2(logits) if sampling else ((), ())
-        for chunk, row, row_best, margin, row_logprobs in zip(sampling, logits, best, margins, logprobs):
+        for chunk, row, row_best, margin, row_logprobs, adjusted in zip(sampling, logits, best, margins, logprobs,
+                                                                          self._adjusted(sampling, logits)):
+            if adjusted is not None:
+                row_best, margin = greedy_token(adjusted), top2_margin(adjusted)
             events.append(self._append_token(chunk.seq, row, int(row_best), float(margin), step, leaked_seed,
-                                             row_logprobs))
+                                             row_logprobs, adjusted))
         self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
+        self._release_penalty_rows()
         self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
         self.num_steps += 1
         return events
+
+    def _release_penalty_rows(self) -> None:
+        """Free the penalty rows of requests no longer running (at an abort; after scheduling: preempted, and
+        a preempted request gets a new row, rebuilt from its tokens, when it samples again; after sampling:
+        finished), so that between steps only running requests hold rows (check_invariants)."""
+        for request_id in [r for r in self.penalties.ids if r not in self.sequences
+                           or self.sequences[r].status is not SequenceStatus.RUNNING]:
+            self.penalties.remove(request_id)
+
+    def _adjusted(self, sampling, logits: np.ndarray) -> list[np.ndarray | None]:
+        """Per sampling chunk, the float64 row its logits processors make (engine/penalties.py), or None
+        for a request without processors (its float32 row is chosen from as it is)."""
+        wanted = [i for i, c in enumerate(sampling) if c.seq.params.processes_logits]
+        adjusted: list[np.ndarray | None] = [None] * len(sampling)
+        if not wanted:
+            return adjusted
+        for i in wanted:
+            if sampling[i].seq.request_id not in self.penalties:
+                self.penalties.add(sampling[i].seq)
+        for i, row in zip(wanted, self.penalties.apply([sampling[i].seq for i in wanted], logits[wanted])):
+            adjusted[i] = row
+        return adjusted
 
     def _step_logprobs(self, logits: np.ndarray, wanted: list[bool]) -> list[np.ndarray | None]:
         """The float64 log-softmax of each sampled row whose request asked for logprobs (None for the
@@ -172,24 +210,29 @@ class LLMEngine:
         return [log_softmax(row.astype(np.float64)) if want else None for row, want in zip(logits, wanted)]
 
     def _append_token(self, seq: Sequence, logits: np.ndarray, best: int, margin: float, step: int,
-                      leaked_seed: int | None, row_logprobs: np.ndarray | None = None) -> TokenEvent:
+                      leaked_seed: int | None, row_logprobs: np.ndarray | None = None,
+                      adjusted: np.ndarray | None = None) -> TokenEvent:
         """The row's token (`best`, its greedy token, where the request is greedy) and its record.
-        `margin` is the row's top-2 margin."""
+        `margin` is the top-2 margin of the row the token is chosen from: `adjusted` where the request's
+        logits processors made one, else `logits` (which the record's digest and logprobs are of)."""
         params = seq.params
         if params.greedy:
             token = best
         else:
             drawn = params if leaked_seed is None else replace(params, seed=leaked_seed)
-            token = self.choose_token(logits, drawn, len(seq.output_ids))
+            token = self.choose_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids))
         logprob, alternatives = (None, []) if row_logprobs is None else \
             ranked_logprobs(row_logprobs, token, params.logprobs)
         record = StepRecord(token, margin, alternatives, logprob, step,
                             hashlib.sha256(logits.tobytes()).hexdigest() if self.digest_logits else None,
-                            logits.copy() if self.keep_logits else None)
+                            logits.copy() if self.keep_logits else None,
+                            adjusted if self.keep_logits else None)
         seq.append_token(record)
+        if adjusted is not None:
+            self.penalties.record(seq.request_id, token)
         self._register_sampled(seq)
         reason = finish_reason(token, len(seq.output_ids), seq.detokenizer.text, params,
-                               self.model.config.eos_token_ids)
+                               self.model.config.eos_token_ids, seq.stop_from)
         if reason is not None:
             self.scheduler.finish(seq, reason, step)
             seq.final_events += 1
@@ -246,7 +289,9 @@ class LLMEngine:
                 "kv_block_size": self.block_manager.block_size, "steps": self.num_steps,
                 "preemptions": self._metrics.preemptions, "batch_active": self._last_batch_size,
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-                "prefix_cache_hits": self.scheduler.prefix_cache_hits}
+                "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+                "logits_processor_rows": len(self.penalties.ids),
+                "requests_with_logits_processors": self.requests_with_logits_processors}
 
     def check_invariants(self) -> None:
         """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every
@@ -260,6 +305,8 @@ class LLMEngine:
                                              f"expected {due} ({seq.status.value}, finish_reason {seq.finish_reason})")
         for seq in self.scheduler.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table.block_ids, seq
+        running = {seq.request_id for seq in self.scheduler.running}
+        assert set(self.penalties.ids) <= running, f"penalty rows of requests not running: {self.penalties.ids}"
         for seq in self.scheduler.running:
             assert seq.status is SequenceStatus.RUNNING, seq
             assert len(seq.block_table) == self.block_manager.blocks_for(seq.num_computed_tokens), seq

@@ -39,6 +39,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
         self._block_hashes: list[bytes] = []  # of its full blocks so far (its tokens only ever grow)
         self.hash_root = hash_root  # its first block's parent hash (block_manager.salt_root)
+        self.stop_from = 0  # stop strings count where they end past this: its text up to its min_tokens-th token
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +80,8 @@ class Sequence:
         self.output_ids.append(record.token_id)
         self.records.append(record)
         self.detokenizer.push(record.token_id)
+        if len(self.output_ids) <= self.params.min_tokens:  # (an abort may come before the min_tokens-th)
+            self.stop_from = len(self.detokenizer.text)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
 
@@ -94,7 +97,7 @@ class Sequence:
         that could still grow into a stop string is held back so streamed text never needs recalling."""
         text = self.detokenizer.text
         if self.is_finished:
-            return cut_at_stop_string(text, self.params.stop)
+            return cut_at_stop_string(text, self.params.stop, self.stop_from)
         held = 0
         for stop in self.params.stop:
             for n in range(min(len(stop) - 1, len(text)), held, -1):

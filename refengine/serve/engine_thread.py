@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..engine import Fault, LLMEngine
 from ..errors import RefengineError
@@ -62,6 +62,9 @@ class EngineThread(threading.Thread):
         self._slots = threading.BoundedSemaphore(self.num_slots)
         self._leak_slots = engine.config.injected is Fault.SLOT_LEAK  # the fault's code point: _end_slot
         self.abort_on_hang_up = engine.config.injected is not Fault.HANG_UP_WITHOUT_ABORT  # _abort_hung_up, handler
+        self._kept = (lambda params: replace(params, presence_penalty=0.0, frequency_penalty=0.0,
+                                             repetition_penalty=1.0, logit_bias=(), min_tokens=0)) \
+            if engine.config.injected is Fault.LOGITS_PROCESSORS_IGNORED else (lambda params: params)  # submit
         self._wakeup = threading.Condition()
         self._submitted: list[RequestStream] = []
         self._aborts: list[str] = []
@@ -89,7 +92,8 @@ class EngineThread(threading.Thread):
             self._count("requests_rejected_busy", +1)
             raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
                              f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
-        stream = RequestStream(request_id, prompt_ids, params, client_gone=client_gone, cache_salt=cache_salt)
+        stream = RequestStream(request_id, prompt_ids, self._kept(params), client_gone=client_gone,
+                               cache_salt=cache_salt)
         with self._wakeup:
             if self._stopping or self.failure:
                 self._release_slot()

@@ -21,6 +21,8 @@ GAUGES = (
     ("refengine_batch_active", "batch_active", "Requests in the current step's batch (0 when idle)."),
     ("refengine_kv_blocks_used", "kv_blocks_used", "KV-cache blocks in use."),
     ("refengine_kv_blocks_free", "kv_blocks_free", "KV-cache blocks free."),
+    ("refengine_logits_processor_rows", "logits_processor_rows",
+     "Batch rows holding a running request's penalty counts, logit bias and min_tokens."),
 )
 COUNTERS = (
     ("vllm:num_preemptions", "preemptions", "Cumulative number of preemptions from the engine."),
@@ -30,6 +32,8 @@ COUNTERS = (
     ("refengine_engine_steps", "steps", "Engine steps run."),
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    ("refengine_requests_with_logits_processors", "requests_with_logits_processors",
+     "Requests that asked for penalties, logit_bias or min_tokens."),
 )
 FINISH_REASONS = ("stop", "length")  # vllm:request_success_total{finished_reason}; aborts are counted apart
 

@@ -2,8 +2,10 @@
 
 Extensions beyond OpenAI: every choice carries `token_ids` (the generated ids; per chunk when
 streaming) and `prompt_token_ids` (non-streaming, and the first streamed chunk); chat logprob
-entries carry `token_id`; `top_k`, `stop_token_ids` and `ignore_eos` are accepted as in vLLM, and so
-is `chat_template_kwargs` on chat requests (template arguments such as `enable_thinking`).
+entries carry `token_id`; `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty` and
+`min_tokens` are accepted as in vLLM (beside OpenAI's `presence_penalty`, `frequency_penalty` and
+`logit_bias`), and so is `chat_template_kwargs` on chat requests (template arguments such as
+`enable_thinking`).
 `temperature` defaults to 0 (greedy), and sampling with temperature > 0 needs a `seed`.
 """
 from __future__ import annotations
@@ -14,13 +16,12 @@ from dataclasses import dataclass, field
 
 from ..errors import RefengineError
 from ..model import Model
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, processor_params
 
 MAX_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 # Accepted only at their neutral value, so a client relying on them hears about it.
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
-                  "logit_bias": {}, "suffix": ""}
+NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "suffix": ""}
 
 
 class ApiError(Exception):
@@ -165,7 +166,9 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
             stop=_stop_strings(body),
             stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
             ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
-            logprobs=0 if logprobs is None else max(logprobs, 1))  # >= 1: the greedy token's own logprob
+            logprobs=0 if logprobs is None else max(logprobs, 1),  # >= 1: the greedy token's own logprob
+            **processor_params(body))
+        params.check_vocabulary(model.config.vocab_size)
     except RefengineError as e:
         raise engine_error(e) from None
     if len(prompt_ids) + params.max_tokens > context_tokens:

@@ -7,7 +7,9 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
 - sampling: some requests sample with a seed (see sampling); the others are greedy;
 - logprobs: some requests ask for logprobs (`"logprobs": K`, K of LOGPROB_COUNTS alternatives per
   step, 0 = the chosen token's only); the others ask for none, which is what the shrinker goes to;
-- the pool always holds the largest request (each request fits alone, so each is admissible).
+- the pool always holds the largest request (each request fits alone, so each is admissible);
+- logits processors: about three requests in four ask for penalties, a logit bias or min_tokens
+  (see processors), drawn with how they leave.
 Two shapes, half of the schedules each:
 - burst (first, so also what Hypothesis tries first and shrinks towards): every request joins in
   the first two steps and runs to max_tokens >= MAX_TOKENS / 2, no aborts, under pressure settings
@@ -16,7 +18,7 @@ Two shapes, half of the schedules each:
   preempt, and resume by recomputing prompt and generated tokens;
 - staggered: arrivals 0-MAX_ARRIVAL, aborts, a pool from the largest request alone up to three
   times it (tight pools preempt when requests happen to overlap).
-A request is exactly four draws (prompt length, prompt bytes, arrival, leave) and sampling and
+A request is exactly four draws (prompt length, prompt bytes, arrival, leave with its processors) and sampling and
 logprobs are drawn apart from it (each a list of (request, value) picks, after the requests): Hypothesis's shrinker deletes at most five consecutive choices at a time (a list
 element plus the list's "one more?" flag), so this is what lets it delete whole requests. A shrunk
 schedule is one greedy request or the few its failure needs, on the roomiest engine settings that
@@ -29,6 +31,7 @@ import functools
 from hypothesis import strategies as st
 
 from .engine_settings import engine_settings
+from .processors import KINDS, processor_fields
 from .prompts import prompts
 from .sampling import seeded
 
@@ -47,11 +50,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 @functools.cache
-def leaves(burst: bool, may_abort: bool) -> st.SearchStrategy[dict]:
-    """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS)."""
+def leaves(burst: bool, may_abort: bool) -> st.SearchStrategy[tuple[dict, dict | None]]:
+    """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS);
+    with which of processors.KINDS it asks for, in the same choice (each leave first without processors)."""
     by_length = [{"max_tokens": n} for n in range(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS + 1)]
     by_abort = [{"max_tokens": MAX_TOKENS, "abort_delay": d} for d in ABORT_DELAYS] if may_abort else []
-    return st.sampled_from(by_length + by_abort)
+    return st.sampled_from([(leave, kind) for kind in KINDS for leave in by_length + by_abort])
 
 
 @functools.cache  # one strategy per argument tuple (prompts.py says why)
@@ -60,10 +64,11 @@ def requests(draw, vocab_size: int, block_size: int, token_budget: int, burst: b
              may_abort: bool = True) -> dict:
     request = {"prompt_ids": draw(prompts(vocab_size, block_size, token_budget)),
                "arrival_step": draw(st.integers(0, 1 if burst else MAX_ARRIVAL))}
-    leave = dict(draw(leaves(burst, may_abort)))
+    leave, kind = draw(leaves(burst, may_abort))
+    leave = dict(leave)
     if "abort_delay" in leave:
         request["abort_step"] = request["arrival_step"] + leave.pop("abort_delay")
-    return {**request, **leave}
+    return {**request, **leave, **processor_fields(kind, request["prompt_ids"], leave["max_tokens"])}
 
 
 @functools.cache

@@ -3,16 +3,17 @@
 A drawn join/leave schedule (schedules.py: every setting, pool pressure, preemption, aborts, seeded
 sampling, logprobs) with its prompts rewritten: each later request may take an earlier one's first
 tokens, cut at a block edge, one token either side of one, or at the shorter prompt's end (the same
-prompt, when the lengths agree; lengths stay as drawn, so the fitted pool still fits) — or continue
-its conversation: `"continues": "rM"`, the earlier request's prompt and its answer, then its own
-prompt as the next turn (what a chat client resends; the answer is the model's, so the property
-resolves it: suite.harness.resolve_continuations). Each request is one more draw (which earlier one,
-or none: the simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and where;
-or a continuation, half the time, under the earlier one's salt, whose answer half the time ends at a
-block edge), and then its `cache_salt`: none (the simplest) or one of SALTS, so requests with equal
-prefixes and different salts meet (they must not share a block). Last, half of the schedules get a
-pool that holds their largest request and no more, in place of the fitted one: every block
-a later request needs evicts a cached one.
+prompt, when the lengths agree; lengths stay as drawn, so the fitted pool still fits), arriving at least
+a step after it (so that its prefix may be computed by then, even in a burst) — or continue its
+conversation: `"continues": "rM"`, the earlier request's prompt and its answer, then its own prompt as
+the next turn (what a chat client resends; the answer is the model's, so the property resolves it:
+suite.harness.resolve_continuations). Each request is one more draw (which earlier one, or none: the
+simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and where; or a
+continuation, half the time, under the earlier one's salt, whose answer three times in four ends at a
+block edge, without a stop id forced or a bias: where a block registered too early shows), and then its
+`cache_salt`: none (the simplest) or one of SALTS, so requests with equal prefixes and different salts
+meet (they must not share a block). Last, half of the schedules get a pool that holds their largest
+request and no more, in place of the fitted one: every block a later request needs evicts a cached one.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .models import VOCAB_SIZE
 from .schedules import blocks_for, schedules
 
 SALTS = ("tenant-a", "tenant-b")
+EDGE = st.sampled_from([True, True, True, False])  # a continued answer ends at a block edge, three times in four
 
 
 def cuts(shorter: int, block_size: int) -> list[int]:
@@ -39,6 +41,14 @@ def edge_answer(prompt_len: int, max_tokens: int, block_size: int) -> int:
     return next((m for m in range(max_tokens, 0, -1) if (prompt_len + m) % block_size == 0), max_tokens)
 
 
+def later(request: dict, step: int) -> None:
+    """`request` arrives no earlier than `step` (its abort, if any, as long after its arrival as drawn)."""
+    shift = max(0, step - request["arrival_step"])
+    request["arrival_step"] += shift
+    if "abort_step" in request:
+        request["abort_step"] += shift
+
+
 @functools.cache  # one strategy per mode (prompts.py says why)
 @st.composite
 def shared_prefix_schedules(draw, mode: str = "invariant") -> dict:
@@ -52,11 +62,15 @@ def shared_prefix_schedules(draw, mode: str = "invariant") -> dict:
                 reqs[n]["continues"] = reqs[source]["id"]
                 if "cache_salt" in reqs[source]:
                     reqs[n]["cache_salt"] = reqs[source]["cache_salt"]
-                if draw(st.booleans()):
-                    reqs[source]["max_tokens"] = edge_answer(len(theirs), reqs[source]["max_tokens"], block)
+                if draw(EDGE):  # and runs to it: no stop id forced after min_tokens
+                    edged = reqs[source]
+                    edged["max_tokens"] = edge_answer(len(theirs), edged["max_tokens"], block)
+                    for key in ("min_tokens", "stop_token_ids", "logit_bias"):
+                        edged.pop(key, None)
                 continue
             k = draw(st.sampled_from(cuts(min(len(theirs), len(mine)), block)))
             reqs[n]["prompt_ids"] = theirs[:k] + mine[k:]
+            later(reqs[n], reqs[source]["arrival_step"] + 1)
         salt = draw(st.sampled_from((None, *SALTS)))
         if salt is not None:
             reqs[n]["cache_salt"] = salt

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ..check.calibrate import calibration_for
 from ..check.driver import run_batched
-from ..check.output_oracle import expected_finish, stop_cut
+from ..check.output_oracle import expected_finish, settled_length, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
 from ..check.schedule import parse_schedule
@@ -203,7 +203,9 @@ def check_streaming(name: str, model_name: str, schedule: dict, choose_stops) ->
     for request in parsed.requests:
         out, stops = engine.output(request.id), request.params.stop
         full = model.tokenizer.decode(out.token_ids)
-        expected = stop_cut(full, stops)
+        minimum = request.params.min_tokens  # no stop string ends in its first min_tokens tokens' text
+        after = settled_length(model.tokenizer.decode(out.token_ids[:minimum])) if minimum else 0
+        expected = stop_cut(full, stops, after)
         kept, reason = expected_finish(free[request.id].token_ids, model.tokenizer.decode, request.params,
                                        model.config.eos_token_ids)
         if streamed[request.id] != out.text:

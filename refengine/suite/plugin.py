@@ -166,6 +166,28 @@ def pytest_unconfigure(config):
         shared.client.close()
 
 
+def pytest_collection_finish(session):
+    """Import every refengine module before the first test runs (a second or two). Hypothesis mixes the
+    constants of the loaded local (non-site-packages, non-test) modules into its draws and re-reads them
+    as modules load, so a derandomized test (test_coverage, the repository's fault hunts) drew other
+    examples depending on which modules the tests before it had happened to import; with all of them
+    loaded first it draws the same ones in any order and on any xdist worker."""
+    if not session.items:
+        return
+    import importlib
+    import pkgutil
+
+    from .. import __path__ as package_path
+    for info in pkgutil.walk_packages(package_path, "refengine."):
+        leaf = info.name.rsplit(".", 1)[-1]
+        if leaf == "__main__" or leaf.startswith("test_"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # an optional extra this environment lacks: the same in every run here
+            pass
+
+
 def pytest_collection_modifyitems(config, items):
     url = config.getoption("--engine-url")
     if not url:
@@ -226,5 +248,5 @@ def http_engine(request):
                                               enable_prefix_caching=True),
                           host="127.0.0.1", max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
     server.start()
-    yield HttpTarget(server.url, golden, "f32")
+    yield HttpTarget(server.url, golden, "f32", model)  # its float64 margins: for answers with logits processors
     server.close()

@@ -30,7 +30,7 @@ from .harness import any_mode_schedules, fail, observe
 pytestmark = pytest.mark.invariants
 NAME = "finish-semantics"
 DEV_EXAMPLES = 25  # the dev profile's budget, for the reachability test
-LATE_ABORT = 16  # steps after its arrival a late abort may come: mostly after the request has finished
+LATE_ABORT = 10  # steps after its arrival a late abort may come: mostly after the request has finished
 LATE_ABORTS = st.one_of(st.none(), st.integers(1, LATE_ABORT))
 
 

@@ -26,6 +26,11 @@ same (the batching tolerance).
   nothing have filled more than the server's KV pool (its size from its status: skipped where unknown),
   once more: every completed answer meets the golden file, and each request's three answers agree up
   to a golden near-tie (a failure's repro holds the leg that failed, as one schedule);
+- requests with logits processors (validate.surface's variants of the golden cases: penalties; a bias
+  against the golden first token with min_tokens) equal the same server's answers to them alone, as
+  above (no golden answer has them);
+- the server applies the logits processors it accepts: validate.surface's probe finds none ignored
+  (one probe per API; a server that refuses one by name passes);
 - afterwards the server drains: once it is idle, nothing running or waiting, KV use and, where
   reported, requests in flight and admission slots taken back to where they started (read from
   /admin/api/status, Prometheus /metrics or llama.cpp's /slots: validate.drain; skipped on a server
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
@@ -65,10 +70,11 @@ from ..validate.drain import (
 )
 from ..validate.load import MIN_OVERLAP_FRACTION, replay
 from ..validate.margins import LocalMargins
-from ..validate.plan import Planned
+from ..validate.plan import Planned, request_body
 from ..validate.precision import agreeing
 from ..validate.report import describe_record
 from ..validate.repro import repro, write_repro
+from ..validate.surface import probe_surface, variants
 from .harness import PropertyFailure, repro_dir
 
 pytestmark = [pytest.mark.invariants, pytest.mark.http,
@@ -93,6 +99,7 @@ class Server:
     alone: dict = field(default_factory=dict)  # (case id, api) -> the server's answer with nothing else in flight
     bounds: Tolerances | None = None  # validate.bounds: against golden (precision) and against alone (batching)
     margins: LocalMargins | None = None  # the --model folder's float64 margins, for answers that carry none
+    processed: Golden | None = None  # the processed variants it answered alone (with_processed; validate.surface)
 
     @property
     def tolerance(self) -> float:
@@ -112,31 +119,49 @@ def connect(url: str, golden: Golden, precision: str = "f32", model=None) -> Ser
     name = served_model(endpoint)["id"]
     chat_cases = sorted((c for c in golden.cases if c.messages), key=lambda c: len(c.prompt_ids))
     id_prompts = not chat_cases or accepts_id_prompts(endpoint, name, chat_cases[0].prompt_ids)
-    apis = [(case, api) for case in golden.cases for api in ("completions", "chat")
-            if (api == "chat" and case.messages) or (api == "completions" and (id_prompts or not case.messages))]
-    kept, records = send_alone(endpoint, [Planned(case.id, case, api, 0.0, False, None) for case, api in apis],
-                               name, dialect=None)
+    kept, records = send_alone(endpoint, alone_requests(golden.cases, id_prompts), name, dialect=None)
     pace = min(r["latency_s"] for r in records if r["api"] == "completions" or not id_prompts)
     return Server(endpoint, name, golden, arrival_step_s(pace), id_prompts, kept.answers, bounds,
                   None if model is None else LocalMargins(model))
 
 
-def http_property(check, server: Server, twins: bool = False, **overrides):
-    """`check(server, schedule)` as a Hypothesis property over HTTP schedules of the golden cases."""
+def alone_requests(cases, id_prompts: bool) -> list[Planned]:
+    """Each case, whole, to each API a schedule may send it to."""
+    return [Planned(case.id, case, api, 0.0, False, None) for case in cases for api in ("completions", "chat")
+            if (api == "chat" and case.messages) or (api == "completions" and (id_prompts or not case.messages))]
+
+
+def with_processed(server: Server) -> Server:
+    """The server with the golden cases' processed variants (validate.surface) and their answers alone
+    (fetched here, not by connect: the other properties' servers see exactly the requests they did). A
+    variant the server refuses (HF transformers serve: 422 on repetition_penalty) is left out."""
+    planned = alone_requests([v for case in server.golden.cases for v in variants(case)], server.id_prompts)
+    kept, _ = send_alone(server.endpoint, planned, server.served_name, dialect=None)
+    answered = {p.case.id: p.case for p in planned}
+    answered = [case for case_id, case in answered.items()
+                if all((p.case.id, p.api) in kept.answers for p in planned if p.case.id == case_id)]
+    return replace(server, alone={**server.alone, **kept.answers}, processed=replace(server.golden, cases=answered))
+
+
+def http_property(check, server: Server, twins: bool = False, processed: bool = False, **overrides):
+    """`check(server, schedule)` as a Hypothesis property over HTTP schedules of the golden cases (with
+    `processed`, of their processed variants: validate.surface)."""
     def run(schedule):
         check(server, schedule)
     run.__name__ = run.__qualname__ = check.__name__  # names the falsifying example and its database entry
     overrides.setdefault("deadline", None)  # how fast the server answers is not the property
-    schedules = http_schedules(server.golden, twins=twins, id_prompts=server.id_prompts)
+    schedules = http_schedules(server.processed if processed else server.golden, twins=twins,
+                               id_prompts=server.id_prompts)
     return settings(**overrides)(given(schedule=schedules)(run))
 
 
 def send(server: Server, schedule, baseline=None, start: float | None = None,
-         dialect: Dialect | None = None) -> list[dict]:
+         dialect: Dialect | None = None, processed: bool = False) -> list[dict]:
     """Every request of the schedule at its arrival time (from `start`, default now), all in flight
     together; validate's records, judged by `baseline` (default: the golden file). `dialect` (default a
-    fresh one) holds the cache_salt: a fresh one is a cold cache."""
-    planned = planned_requests(schedule, server.golden, server.arrival_step_s)
+    fresh one) holds the cache_salt: a fresh one is a cold cache. `processed`: a schedule of the processed
+    variants (server.processed)."""
+    planned = planned_requests(schedule, server.processed if processed else server.golden, server.arrival_step_s)
     baseline = baseline or GoldenBaseline(server.golden, server.tolerance)
     return replay(server.endpoint, planned, server.served_name, baseline, len(planned), dialect, start)
 
@@ -145,13 +170,42 @@ def answers_equal_alone(server: Server, schedule) -> None:
     """Validate's serial baseline as a property: every completed answer is the server's own alone
     answer to that case and API, except at the server's own top-2 margin (or --model's) within the batching tolerance
     (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs)."""
-    records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins))
+    equal_alone(server, schedule, "http-answers-equal-alone", "answers")
+
+
+def processed_answers_equal_alone(server: Server, schedule) -> None:
+    """The serial baseline for requests with logits processors: a server that keeps a request's penalty
+    counts, bias or min_tokens in batch state it mixes up answers them differently under load."""
+    equal_alone(server, schedule, "http-processed-answers-equal-alone", "answers with logits processors",
+                processed=True)
+
+
+def equal_alone(server: Server, schedule, name: str, what: str, processed: bool = False) -> None:
+    records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins),
+                   processed=processed)
     failed = [r for r in records if r["verdict"] in ("diverged", "error")]
     if failed:
-        fail(server, "http-answers-equal-alone", "answers that differ from the server's own alone answers; http "
-             "schedule:\n" + outcomes(records) + "\n"
+        fail(server, name, f"{what} that differ from the server's own alone answers; http schedule:\n"
+             + outcomes(records) + "\n"
              + "\n".join(describe_record(r, server.batching, "serial", server.margins is not None) for r in failed
                           if r["verdict"] == "diverged"), records)
+
+
+def applies_what_it_accepts(server: Server) -> None:
+    """validate.surface's probe, on the first golden case of each API: no logits processor the server
+    accepts may be ignored."""
+    ignored = {}
+    for api in ("completions", "chat"):
+        case = next((c for c in server.golden.cases if api == "completions" and (server.id_prompts or not c.messages)
+                     or api == "chat" and c.messages), None)
+        if case is not None:
+            body = request_body(Planned(case.id, case, api, 0.0, False, None), server.served_name)
+            ignored |= {f"{api}: {name}": v["why"] for name, v in probe_surface(server.endpoint, api, body,
+                                                                               Dialect()).items()
+                        if v["verdict"] == "ignored"}
+    if ignored:
+        raise PropertyFailure("http-applies-what-it-accepts: the server accepts logits processors and ignores them: "
+                              + "; ".join(f"{k} ({why})" for k, why in ignored.items()))
 
 
 def outcomes(records: list[dict]) -> str:
@@ -350,6 +404,17 @@ def test_completed_answers_match_golden(server):
 
 def test_answers_equal_the_servers_own_alone_answers(server):
     http_property(answers_equal_alone, server)()
+
+
+def test_answers_with_logits_processors_equal_the_servers_own_alone_answers(server):
+    server = with_processed(server)
+    if not server.processed.cases:
+        pytest.skip(f"{server.endpoint.url}: the server answered none of the processed variants alone")
+    http_property(processed_answers_equal_alone, server, processed=True)()
+
+
+def test_the_server_applies_the_logits_processors_it_accepts(server):
+    applies_what_it_accepts(server)
 
 
 def test_streamed_and_whole_answers_are_identical(server):

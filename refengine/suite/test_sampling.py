@@ -5,19 +5,21 @@ top-k or temperature that is wrong the same way alone and batched is invisible t
 judge is refengine.check.sampling_oracle, written afresh from the HF/vLLM definitions:
 - support: on Hypothesis join/leave schedules where every request samples with a seed, every drawn
   token lies in the oracle's support computed on the FLOAT64 reference logits of its prefix (prompt
-  + the tokens generated before it), with boundary tokens the calibrated f32-vs-f64 noise can flip
-  allowed either way; and every engine row stays within that noise of the reference row.
-- distribution: for each sampler of SAMPLERS, DRAWS first tokens of one prompt under seeds
-  0..DRAWS-1 (the engine's draw for token 0 depends only on (seed, 0), so the logits are computed
-  once and only the seed varies) fit the oracle's target distribution: Pearson's chi-square over
-  bins pooled to an expected count >= 20, failing at p < ALPHA (and on any draw outside the
-  support). Fixed seeds make the verdict deterministic; for a correct engine the chance that a
-  sampler's check fails is ALPHA, about 27 x ALPHA for the whole set.
+  + the tokens generated before it), processed by the float64 definition of its penalties, bias and
+  min_tokens (reference.adjusted_logits), with boundary tokens the calibrated f32-vs-f64 noise can
+  flip allowed either way; and every engine row stays within that noise of the reference row.
+- distribution: for each sampler of SAMPLERS (and of PROCESSED_SAMPLERS, with penalties and bias),
+  DRAWS first tokens of one prompt under seeds 0..DRAWS-1 (the engine's draw for token 0 depends only
+  on (seed, 0), so the logits are computed once and only the seed varies) fit the oracle's target
+  distribution: Pearson's chi-square over bins pooled to an expected count >= 20, failing at p < ALPHA
+  (and on any draw outside the support). Fixed seeds make the verdict deterministic; for a correct
+  engine the chance that a sampler's check fails is ALPHA, about 31 x ALPHA for the whole set.
 """
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,11 +30,12 @@ from hypothesis.extra.numpy import arrays
 from ..check.calibrate import calibration_for
 from ..check.comparison import logit_deviation
 from ..check.driver import configured, run_batched
-from ..check.margin_rule import tolerance
+from ..check.margin_rule import processed_noise_gain, tolerance
 from ..check.sampling_oracle import goodness_of_fit, nucleus
 from ..check.schedule import parse_schedule
 from ..engine import EngineConfig, LLMEngine
-from ..reference import prompt_logits
+from ..engine.sequence import Sequence
+from ..reference import adjusted_logits, prompt_logits
 from ..sampling import SamplingParams, top2_margin
 from ..strategies import SAMPLERS, schedules, seeded, tiny_model_names
 from ..strategies.engine_settings import MODES
@@ -49,6 +52,13 @@ ALPHA = 1e-6
 # Candidate prompts for the distribution check: the first on which no sampler has a token within noise
 # of a top-k / top-p boundary (there the target would be undefined) is used.
 PROMPTS = ([5, 9, 13, 21], [17, 250, 3, 98, 411], [300, 42, 7, 7, 150, 88])
+# Logits processors for the distribution check, without top-k / top-p cuts (so no boundary is in play).
+PROCESSED_SAMPLERS = [
+    {"temperature": 1.0, "repetition_penalty": 2.0},
+    {"temperature": 1.0, "repetition_penalty": 0.5, "presence_penalty": 1.0},
+    {"temperature": 1.5, "frequency_penalty": 2.0},
+    {"temperature": 1.0, "frequency_penalty": -1.0, "logit_bias": ((5, 3.0), (98, -100.0), (250, 2.0))},
+]
 
 
 def _all_seeded(example) -> dict:
@@ -96,13 +106,14 @@ def check_sampled_support(model_name: str, schedule: dict, fault: str | None = N
             if deviation > noise:
                 problems.append(f"{where}: logit deviation from float64 {deviation:.3g} > noise tolerance {noise:.3g}")
                 break
-            oracle = nucleus(want, p.temperature, p.top_k, p.top_p, noise)
+            chosen_from = adjusted_logits(want, out.prompt_ids, out.token_ids[:i], p, model.config.eos_token_ids)
+            oracle = nucleus(chosen_from, p.temperature, p.top_k, p.top_p, noise * processed_noise_gain(p))
             if in_test and oracle.ambiguous[step.token_id]:
                 event("drew a token within noise of a top-k / top-p boundary")
             if not oracle.allowed[step.token_id]:
                 support = oracle.support.tolist()
                 problems.append(f"{where}: drew {step.token_id} (float64 probability before the cut "
-                                f"{float(nucleus(want, p.temperature).probs[step.token_id]):.3g}), outside the "
+                                f"{float(nucleus(chosen_from, p.temperature).probs[step.token_id]):.3g}), outside the "
                                 f"float64 support of temperature={p.temperature} top_k={p.top_k} top_p={p.top_p}: "
                                 f"{support[:12]}{' ...' if len(support) > 12 else ''} ({len(support)} tokens)")
                 break
@@ -132,17 +143,31 @@ def first_token_rows(model_name: str = DEFAULT_MODEL):
 
 
 def check_first_token_distribution(sampler: dict, fault: str | None = None, model_name: str = DEFAULT_MODEL,
-                                   draws: int = DRAWS, alpha: float = ALPHA):
-    """The engine's first-token draws under seeds 0..draws-1 against the oracle's target (see module)."""
+                                   draws: int = DRAWS, alpha: float = ALPHA, repeats: bool = False):
+    """The engine's first-token draws under seeds 0..draws-1 against the oracle's target (see module).
+    A sampler may carry logits processors (PROCESSED_SAMPLERS); with `repeats`, the draw is judged as if
+    the request had already generated its row's two likeliest tokens, the first of them twice (so the
+    frequency and presence penalties have counts to act on): the engine's own per-request rows
+    (engine/penalties.py) against reference.adjusted_logits."""
     prompt, row, want = first_token_rows(model_name)
-    engine = LLMEngine(tiny_model(model_name), EngineConfig(mode="invariant", max_num_seqs=1, max_model_len=64,
-                                                            fault=fault))
-    tokens = [engine.choose_token(row, SamplingParams(max_tokens=1, seed=seed, **sampler), 0) for seed in range(draws)]
-    target = nucleus(want, **sampler).probs
+    model = tiny_model(model_name)
+    engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1, max_model_len=64, fault=fault))
+    params = SamplingParams(max_tokens=8, seed=0, **sampler)
+    generated = [int(t) for t in np.argsort(-want, kind="stable")[[0, 1, 0]]] if repeats else []
+    if params.processes_logits:
+        seq = Sequence("r0", prompt, params, model.tokenizer.detokenizer(), 0)
+        seq.output_ids = generated
+        engine.penalties.add(seq)
+        row = engine.penalties.apply([seq], row[None])[0]
+        want = adjusted_logits(want, prompt, generated, params, model.config.eos_token_ids)
+    tokens = [engine.choose_token(row, replace(params, seed=seed), len(generated)) for seed in range(draws)]
+    target = nucleus(want, sampler["temperature"], sampler.get("top_k", 0), sampler.get("top_p", 1.0)).probs
     fit = goodness_of_fit(tokens, target)
     if not fit.passed(alpha):
-        raise PropertyFailure(f"{DISTRIBUTION} does not hold on model {model_name}{f' (fault {fault})' if fault else ''}"
-                              f": {draws} first-token draws of prompt {prompt} with {sampler} (seeds 0..{draws - 1}) "
+        after = f" after {generated}" if generated else ""
+        faulty = f" (fault {fault})" if fault else ""
+        raise PropertyFailure(f"{DISTRIBUTION} does not hold on model {model_name}{faulty}"
+                              f": {draws} draws of prompt {prompt}{after} with {sampler} (seeds 0..{draws - 1}) "
                               f"do not fit the float64 target (alpha {alpha:g}): {fit.describe()}")
     return fit
 
@@ -155,6 +180,11 @@ def test_sampled_tokens_lie_in_the_float64_support(model, schedule):
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: "T{temperature}-k{top_k}-p{top_p}".format(**s))
 def test_first_token_distribution_fits_the_float64_target(sampler):
     check_first_token_distribution(sampler)
+
+
+@pytest.mark.parametrize("sampler", PROCESSED_SAMPLERS, ids=lambda s: "-".join(k for k in s if k != "temperature"))
+def test_token_distribution_with_penalties_and_bias_fits_the_float64_target(sampler):
+    check_first_token_distribution(sampler, repeats=True)
 
 
 @given(arrays(np.float32, st.integers(2, 64), elements=st.floats(-50, 50, width=32)))

@@ -11,7 +11,8 @@ computed tokens: the same KV), and only registered blocks are held by two sequen
 block's KV (every layer's keys and values) never changes while it stays registered under the same
 hash, shared, cached on the free list or neither (nothing writes into KV another request may take);
 each running sequence holds
-exactly the blocks its computed tokens need; a step never exceeds max_num_batched_tokens or
+exactly the blocks its computed tokens need (LLMEngine.check_invariants: and only running sequences
+hold penalty rows); a step never exceeds max_num_batched_tokens or
 max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
 follows a decode. At the end every request finishes and every block is free. A failure writes the
 rules so far as a schedule (arrival and abort steps) to

@@ -23,6 +23,7 @@ from ..check.margin_rule import (
     judge_ids,
     judge_text,
 )
+from ..sampling import SamplingParams, processor_params
 from .client import Completion
 from .dialect import unstripped
 from .margins import LocalMargins, text_divergence
@@ -91,10 +92,13 @@ def at_max_tokens(case, finish_reason: str | None) -> bool:
     return len(case.token_ids) == case.max_tokens and (case.finish_reason, finish_reason) == ("stop", "length")
 
 
-def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float) -> Verdict:
+def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: float,
+                 own_margins: bool = True) -> Verdict:
     """A loaded answer against the same server's alone answer: by token ids when both carry them,
     else by text (strict: the text has no token positions to find a margin at; only an incomplete
-    character at the end, which one answer held back and the other flushed, may differ)."""
+    character at the end, which one answer held back and the other flushed, may differ). Not
+    `own_margins`: the server's logprobs are not of the row its tokens were chosen from (a request with
+    logits processors: servers report the model's row), so they explain nothing."""
     parted = next((i for i, (a, b) in enumerate(zip(alone.text, got.text)) if a != b),
                   min(len(alone.text), len(got.text)))
     texts = {"want_text": alone.text[parted:parted + CONTEXT_CHARS], "got_text": got.text[parted:parted + CONTEXT_CHARS]}
@@ -110,13 +114,22 @@ def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: fl
     index = next((i for i, (a, b) in enumerate(zip(want_ids, got_ids)) if a != b), min(len(want_ids), len(got_ids)))
     if want_ids == got_ids:
         return Verdict(case_id, "match", "token_ids", tolerance=tolerance)
-    margins = [t.margin for t in alone.logprobs] if alone.logprobs is not None else []
+    margins = [t.margin for t in alone.logprobs] if alone.logprobs is not None and own_margins else []
     margin = margins[index] if index < len(margins) and index < len(want_ids) else None
-    reason = "" if margin is not None or index >= len(want_ids) else "the server reports no top-2 logprobs there"
+    reason = "" if margin is not None or index >= len(want_ids) else \
+        "the server reports no top-2 logprobs there" if own_margins else \
+        "its logprobs are of the model's row, not of the row its logits processors made"
     return Verdict(case_id, first_divergence(margin, tolerance), "token_ids", reason=reason, index=index,
                    got=got_ids[index] if index < len(got_ids) else None,
                    want=want_ids[index] if index < len(want_ids) else None, margin=margin, tolerance=tolerance,
                    **texts)
+
+
+def processed(case) -> SamplingParams | None:
+    """A processed case's logits processors (validate.surface.ProcessedCase: its `fields`) as the
+    reference applies them; None for a plain case."""
+    fields = getattr(case, "fields", None)
+    return None if fields is None else SamplingParams(max_tokens=case.max_tokens, **processor_params(fields))
 
 
 class SerialBaseline:
@@ -139,7 +152,7 @@ class SerialBaseline:
         mismatch = prompt_mismatch(alone.prompt_token_ids, completion.prompt_token_ids, "prompt ids of its alone answer")
         if mismatch:
             return error(mismatch)
-        verdict = judge_serial(p.case.id, alone, completion, self.tolerance)
+        verdict = judge_serial(p.case.id, alone, completion, self.tolerance, own_margins=processed(p.case) is None)
         if verdict.kind == "match" and completion.finish_reason != alone.finish_reason:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"alone {alone.finish_reason!r}")
@@ -166,7 +179,8 @@ class SerialBaseline:
             verdict = replace(verdict, index=index, want=alone_ids[index],
                               got=parted.got_ids[index] if index < len(parted.got_ids) else None)
             reason = f"{verdict.reason}; token index and ids from the answers' text, by the local tokenizer"
-        margin = self.margins.margin(self.margins.prompt_ids(case, alone.prompt_token_ids), alone_ids, index)
+        margin = self.margins.margin(self.margins.prompt_ids(case, alone.prompt_token_ids), alone_ids, index,
+                                     processed(case))
         return replace(verdict, kind=first_divergence(margin, self.tolerance), margin=margin, reason=reason)
 
 

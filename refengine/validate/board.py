@@ -12,7 +12,8 @@ found and needs no overlap. After the run the server must drain (validate.drain)
 counts aborts, every hang-up it had to abort must be one (validate.aborts; the status is read
 throughout the run for it). The load goes in three prefix-cache groups, cold, shared and warm
 (validate.plan): the report keeps them apart, with the prompt tokens the server says it served from
-its prefix cache (validate.cache).
+its prefix cache (validate.cache). Last, the request surface is probed (validate.surface): a server
+that accepts a logits processor (penalties, logit_bias, min_tokens) and ignores it FAILs.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .load import VERDICTS, overlap, replay
 from .margins import LocalMargins
 from .plan import Planned, Settings, plan, probe_bodies
 from .precision import precision
+from .surface import ignored, probe_surface
 
 __all__ = ["Cases", "served_model", "validate"]
 DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long to wait for a server to settle
@@ -109,7 +111,9 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                         None if margins is None else margins.model)
     tolerance = bounds.precision_tolerance if settings.baseline == "golden" else bounds.batching
     draft, dialect = planned or plan(cases.cases, settings, 0.0, cases.path), Dialect()
-    probe(endpoint, probe_bodies(draft, served["id"]), dialect)
+    bodies = probe_bodies(draft, served["id"])
+    probe(endpoint, bodies, dialect)
+    replaying = planned is not None
     try:
         drain_baseline = server_state(endpoint)  # None: the server exposes no status
     except (OSError, ServerError):
@@ -135,6 +139,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     wall_s = round(time.monotonic() - start, 3)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
     effects = effect_counts(requests, alone_records) if golden is not None else None
+    alone_errors = sum(r["verdict"] == "error" for r in alone_records)
     drained, state, note = wait_drained(endpoint, drain_baseline, DRAIN_DEADLINE_S, DRAIN_POLL_S)
     drain = {"checked": state is not None, "drained": drained, "note": note,
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
@@ -146,11 +151,17 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         if lone is not None:
             drain["aborts"]["alone"] = lone
         drained = drained and drain["aborts"]["ok"] and (lone is None or lone["ok"])
+    # after the drain is judged (its requests are no part of the load's accounting), and only on a server
+    # that came through the load whole: one that failed requests or did not drain may never answer again
+    healthy = not counts["error"] and not alone_errors and (drained or not drain["checked"])
+    surface = None if replaying or not healthy else \
+        {api: probe_surface(endpoint, api, {**body, "stream": False}, dialect)
+         for api, body in bodies.items() if api not in dialect.probe_errors}
     load = overlap(requests)
     cache = cache_report(requests, alone_records, not dialect.cache_salt_refused, drain_baseline, before_load, state)
-    alone_errors = sum(r["verdict"] == "error" for r in alone_records)
     effects_diverged = effects is not None and (effects["precision"]["diverged"] or effects["batching"]["diverged"])
-    if counts["diverged"] or counts["error"] or alone_errors or effects_diverged or (drain["checked"] and not drained):
+    if counts["diverged"] or counts["error"] or alone_errors or effects_diverged or (drain["checked"] and not drained) \
+            or ignored(surface):
         verdict = "FAIL"
     else:
         verdict = "PASS" if load["proven"] or spread_from == "repro" else "INCONCLUSIVE"  # a repro is as found
@@ -166,6 +177,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                      "arrival_spread_from": spread_from, "alone_latency_s": alone_latency,
                      "repeat": settings.repeat, "timeout": settings.timeout},
         "dialect": dialect.report(),
+        "surface": surface,
         "margins": None if margins is None else {"model": str(margins.model.path), "fingerprint": margins.fingerprint,
                                                  "measured": margins.measured},
         "bounds": bounds.report(),
@@ -178,7 +190,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         # only against the golden file: a serial "match" says nothing of which steps agree with float64
         "precision": precision(requests, cases.golden, bounds.precision, bounds.precision_tolerance)
         if settings.baseline == "golden" else None,
-        "summary": {"requests": len(requests), **counts, "alone_errors": alone_errors, "wall_s": wall_s,
+        "summary": {"requests": len(requests), **counts, "alone_errors": alone_errors,
+                    "surface_ignored": len(ignored(surface)), "wall_s": wall_s,
                     "verdict": verdict, "passed": verdict == "PASS"},
     }
 

@@ -47,6 +47,7 @@ class Dialect:
         self.logprobs_reported: dict[str, bool] = {}  # api -> the probe's answer carried logprobs
         self.probe_errors: dict[str, str] = {}
         self.probe_requests = 0
+        self.surface_requests = 0                   # sent by validate.surface's probe
         self.resent = 0                             # run requests sent again without a refused field
         self.streams_without_done = 0
         self.streams_with_done = 0
@@ -108,7 +109,8 @@ class Dialect:
                "cache_salt": "refused" if self.cache_salt_refused else "sent",
                "no_done_marker": self.streams_without_done > 0 and self.streams_with_done == 0,
                "streams_without_done": self.streams_without_done, "apis": apis,
-               "probe_requests": self.probe_requests, "resent": self.resent}
+               "probe_requests": self.probe_requests, "surface_requests": self.surface_requests,
+               "resent": self.resent}
         if self.probe_errors:
             out["probe_errors"] = self.probe_errors
         return out

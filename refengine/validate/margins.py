@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import Model
-from ..reference import prompt_logits
+from ..reference import adjusted_logits, prompt_logits
+from ..sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,17 @@ class LocalMargins:
             return list(case.prompt_ids)
         return case.encode(self.model)
 
-    def margin(self, prompt_ids: list[int], answer_ids: list[int], index: int) -> float:
-        """Top-1 minus top-2 float64 logit at generated position `index`, given answer_ids[:index]."""
-        key = (tuple(prompt_ids), tuple(answer_ids[:index]))
+    def margin(self, prompt_ids: list[int], answer_ids: list[int], index: int,
+               params: SamplingParams | None = None) -> float:
+        """Top-1 minus top-2 float64 logit at generated position `index`, given answer_ids[:index]; of
+        the row `params`' logits processors make (reference.adjusted_logits), where they have any."""
+        key = (tuple(prompt_ids), tuple(answer_ids[:index]), params)
         with self._lock:
             if key not in self._memo:
                 logits = prompt_logits(self.model, list(prompt_ids) + list(answer_ids[:index]))[-1]  # [vocab]
+                if params is not None and params.processes_logits:
+                    logits = adjusted_logits(logits, prompt_ids, answer_ids[:index], params,
+                                             self.model.config.eos_token_ids)
                 second, first = np.partition(logits, -2)[-2:]
                 self._memo[key] = float(first - second)
                 self.measured += 1

@@ -109,7 +109,7 @@ def request_body(p: Planned, served_model: str) -> dict:
             body["chat_template_kwargs"] = p.case.chat_template_kwargs
     else:  # chat cases sent as completions carry the golden prompt ids: exactly the tokens the reference saw
         body["prompt"] = p.case.prompt if p.case.prompt is not None else p.case.prompt_ids
-    return body
+    return body | getattr(p.case, "fields", {})  # a ProcessedCase's logits processors (validate.surface)
 
 
 def prompt_size(case) -> int:

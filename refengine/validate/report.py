@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..check.margin_rule import Verdict, describe
 from .cache import format_cache
 from .dialect import dialect_notes
+from .surface import surface_notes
 from .load import MIN_OVERLAP_FRACTION, VERDICTS
 from .precision import format_precision
 
@@ -101,6 +102,7 @@ def format_report(report: dict) -> str:
                          f"{margins['fingerprint']}: its margins are another model's unless the server's is a "
                          f"conversion of it")
     lines += dialect_notes(report.get("dialect"))
+    lines += surface_notes(report.get("surface"))
     if report.get("cache"):
         lines += format_cache(report["cache"])
     stripped = [r["id"] for r in report["alone"] + report["requests"] if r.get("whitespace_restored")]

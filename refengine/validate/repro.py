@@ -22,6 +22,7 @@ from pathlib import Path
 from ..check.schedule import read_json
 from ..errors import RefengineError
 from .plan import CACHE, Planned
+from .surface import variants
 
 REPRO_FORMAT = 1
 REQUEST_KEYS = ("id", "case", "api", "streamed", "arrival_s", "cancel_after")
@@ -71,8 +72,9 @@ def read_repro(path: str | Path) -> dict:
 
 
 def planned_from(data: dict, cases: list, path) -> list[Planned]:
-    """The repro's requests as a plan over `cases` (matched by case id)."""
-    by_id = {case.id: case for case in cases}
+    """The repro's requests as a plan over `cases` (matched by case id; a processed variant's id,
+    `<case id>+<variant>`, by its case's: validate.surface)."""
+    by_id = {c.id: c for case in cases for c in (case, *variants(case))}
     planned = []
     for n, r in enumerate(data["requests"]):
         if r["case"] not in by_id:

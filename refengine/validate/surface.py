@@ -1,0 +1,166 @@
+"""The request surface beyond plain greedy decoding: which logits processors a server applies, refuses
+or silently ignores. A server that accepts `logit_bias` or a penalty and answers as if it had not
+been sent tells its users nothing is wrong while their settings do nothing: that is a finding, not a
+pass (validate's verdict fails on it).
+
+One probe per API, on the probe case (greedy, its own cache salt), after a plain answer to it:
+- logit_bias: -100 on the plain answer's first token: the first token must change (needs ids);
+- min_tokens: where the plain answer stopped (eos) after n < max_tokens tokens, min_tokens n: it can
+  no longer stop there, so the answer must change;
+- frequency_penalty / presence_penalty 2: at a step whose token the answer already had k times, and
+  at which no other token had been seen more than M times, with a top-2 margin (the server's
+  logprobs) below half of 2 (k - M) (frequency) or, where every earlier token was that one, below half
+  of 2 (presence): the penalty lowers that token by more than it can lower any rival (by twice the
+  margin: the server's own rounding cannot close that), so the answer must change there or before;
+- repetition_penalty: its effect needs the logits' signs, which no logprob shows: only refused or
+  accepted is learned.
+Each parameter's verdict: "applied" (changed where it must), "ignored" (the same answer where it must
+change: a finding), "refused" (4xx naming it), "accepted" (answered, and the plain answer has no step
+where the parameter must act: not probed further), "error" (any other failure).
+
+And the variants of a case sent with processors (ProcessedCase, variants()): what the HTTP property
+`test_answers_with_logits_processors_equal_the_servers_own_alone_answers` sends under load, so a
+server that keeps a request's penalty counts or bias in a batch row it gets wrong is caught.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+from .client import Completion, Endpoint, ServerError
+from .dialect import REFUSAL_STATUSES, Dialect, send
+
+PARAMETERS = ("logit_bias", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty")
+PENALTY = 2.0  # the largest OpenAI allows
+
+
+def must_change_at(answer: Completion, parameter: str) -> int | None:
+    """The step of `answer` (plain, greedy) where `parameter` at PENALTY must change the answer (module
+    docstring), or None where it need not anywhere."""
+    ids, logprobs = answer.token_ids, answer.logprobs
+    if ids is None or logprobs is None:
+        return None
+    for step, (token, logprob) in enumerate(zip(ids, logprobs)):
+        seen = Counter(ids[:step])
+        k, margin = seen[token], logprob.margin
+        if not k or margin is None:
+            continue
+        rival = max((count for other, count in seen.items() if other != token), default=0)
+        gain = PENALTY * (k - rival) if parameter == "frequency_penalty" else PENALTY * (rival == 0)
+        if margin < gain / 2:  # half of it: the server's own rounding of the penalized row cannot close the rest
+            return step
+    return None
+
+
+def _changed(plain: Completion, got: Completion, through: int | None = None) -> bool:
+    """Whether `got` differs from the plain answer (by ids where both have them, in the first `through`
+    + 1 tokens where given)."""
+    if plain.token_ids is not None and got.token_ids is not None:
+        end = None if through is None else through + 1
+        finish_differs = end is None and got.finish_reason != plain.finish_reason
+        return got.token_ids[:end] != plain.token_ids[:end] or finish_differs
+    return got.text != plain.text
+
+
+def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) -> dict[str, dict]:
+    """Per parameter of PARAMETERS, {"verdict", "why"} for the server's `api` on the case `body` (a
+    whole greedy request)."""
+    salt = dialect.cache_salt("cold", f"surface-{api}")
+    dialect.surface_requests += 1 + len(PARAMETERS)
+    try:
+        plain = send(endpoint, api, body, None, dialect, salt=salt)
+    except (ServerError, OSError) as e:
+        return {name: {"verdict": "error", "why": f"the plain probe request failed: {str(e)[:200]}"}
+                for name in PARAMETERS}
+    ids = plain.token_ids
+    tests: dict[str, tuple[dict, int | None, str]] = {}  # parameter -> (fields, step it must change by, why)
+    if ids:
+        tests["logit_bias"] = ({"logit_bias": {str(ids[0]): -100}}, 0, f"-100 on its first token {ids[0]}")
+    else:
+        tests["logit_bias"] = ({"logit_bias": {}}, None, "the server reports no token ids to bias")
+    stopped = plain.finish_reason == "stop" and ids is not None and len(ids) < body.get("max_tokens", 0)
+    tests["min_tokens"] = ({"min_tokens": len(ids)}, None, f"its plain answer stopped after {len(ids)} tokens") \
+        if stopped else ({"min_tokens": 1}, None, "its plain answer did not stop before max_tokens")
+    for name in ("frequency_penalty", "presence_penalty"):
+        step = must_change_at(plain, name)
+        why = f"at step {step} its token repeats with a margin below what the penalty takes" if step is not None \
+            else "no step of its plain answer where the penalty must change it (or no logprobs)"
+        tests[name] = ({name: PENALTY}, step, why)
+    tests["repetition_penalty"] = ({"repetition_penalty": 1.5}, None, "its effect needs the logits' signs")
+    probed = {"logit_bias", "frequency_penalty", "presence_penalty"}
+    out = {}
+    for name, (fields, step, why) in tests.items():
+        must = (name in probed and step is not None) or (name == "min_tokens" and stopped)
+        try:
+            got = send(endpoint, api, {**body, **fields}, None, dialect, salt=salt)
+        except ServerError as e:
+            refused = e.status in REFUSAL_STATUSES and name in str(e)
+            out[name] = {"verdict": "refused" if refused else "error", "why": str(e)[:200]}
+            continue
+        except OSError as e:
+            out[name] = {"verdict": "error", "why": str(e) or type(e).__name__}
+            continue
+        if not must:
+            out[name] = {"verdict": "accepted", "why": why}
+        elif _changed(plain, got, step):
+            out[name] = {"verdict": "applied", "why": why}
+        else:
+            out[name] = {"verdict": "ignored", "why": f"{why}, yet the answer is the plain one"}
+    return out
+
+
+def surface_notes(surface: dict | None) -> list[str]:
+    """Per API a line of each parameter's verdict, then one per parameter a server ignores or refuses
+    (the report's `surface`)."""
+    notes = [f"surface ({api}): " + ", ".join(f"{name} {v['verdict']}" for name, v in verdicts.items())
+             for api, verdicts in (surface or {}).items()]
+    for api, verdicts in (surface or {}).items():
+        for name, v in verdicts.items():
+            if v["verdict"] == "ignored":
+                notes.append(f"FINDING: {api}: the server accepts {name} and ignores it ({v['why']})")
+            elif v["verdict"] in ("refused", "error"):
+                notes.append(f"note: {api}: {name} {v['verdict']} ({v['why']})")
+    return notes
+
+
+def ignored(surface: dict | None) -> list[str]:
+    """`api: parameter` for every parameter a server ignores."""
+    return [f"{api}: {name}" for api, verdicts in (surface or {}).items()
+            for name, v in verdicts.items() if v["verdict"] == "ignored"]
+
+
+@dataclass(frozen=True)
+class ProcessedCase:
+    """A case sent with logits processors: no golden answer has them, so it is judged only against the
+    same server's answer to it alone (the serial baseline). Everything but its id is its base case's;
+    its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
+    base: object  # check.golden.GoldenCase or PromptCase
+    variant: str
+    fields_json: str  # the request fields it adds, as JSON (hashable)
+
+    @property
+    def id(self) -> str:
+        return f"{self.base.id}+{self.variant}"
+
+    @property
+    def fields(self) -> dict:
+        return json.loads(self.fields_json)
+
+    def __getattr__(self, name):
+        if name == "base":  # not set yet (a copy being built): no base to ask
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def variants(case) -> list[ProcessedCase]:
+    """The processed variants of `case`: "penalties" (frequency, presence and repetition penalties), and
+    where its golden answer is known, "bias" (-100 on the golden answer's first token, and min_tokens 2:
+    a different answer that must still be two tokens long at least)."""
+    out = [ProcessedCase(case, "penalties", json.dumps({"frequency_penalty": 1.5, "presence_penalty": 0.5,
+                                                        "repetition_penalty": 1.3}))]
+    answer = getattr(case, "token_ids", None)
+    if answer:
+        out.append(ProcessedCase(case, "bias", json.dumps({"logit_bias": {str(answer[0]): -100.0},
+                                                           "min_tokens": min(2, case.max_tokens)})))
+    return out
