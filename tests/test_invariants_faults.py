@@ -104,11 +104,9 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
 def dev_profile():
     """The loaded profile's example budget (dev: 25), derandomized so the verdict is the same on every
     run, without the example database (every run must find the fault afresh) and without the explain
-    phase (its report is not needed here). Generation stops at the first failure (report_multiple_bugs
-    off): with it on, Hypothesis keeps generating for up to 10 s of wall time after the first failure,
-    so what it found depended on how fast the machine was. (Which modules are loaded moves Hypothesis's
-    draws too: the suite's plugin loads them all first, suite.plugin.pytest_collection_finish.)"""
-    return settings(settings.default, database=None, derandomize=True, report_multiple_bugs=False,
+    phase (its report is not needed here). (Which modules are loaded moves Hypothesis's draws too: the
+    suite's plugin loads them all first, suite.plugin.pytest_collection_finish.)"""
+    return settings(settings.default, database=None, derandomize=True,
                     phases=[p for p in Phase if p is not Phase.explain])
 
 
