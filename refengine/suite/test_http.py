@@ -137,9 +137,8 @@ def with_processed(server: Server) -> Server:
     variant the server refuses (HF transformers serve: 422 on repetition_penalty) is left out."""
     planned = alone_requests([v for case in server.golden.cases for v in variants(case)], server.id_prompts)
     kept, _ = send_alone(server.endpoint, planned, server.served_name, dialect=None)
-    answered = {p.case.id: p.case for p in planned}
-    answered = [case for case_id, case in answered.items()
-                if all((p.case.id, p.api) in kept.answers for p in planned if p.case.id == case_id)]
+    refused = {p.case.id for p in planned if (p.case.id, p.api) not in kept.answers}
+    answered = list({p.case.id: p.case for p in planned if p.case.id not in refused}.values())
     return replace(server, alone={**server.alone, **kept.answers}, processed=replace(server.golden, cases=answered))
 
 
