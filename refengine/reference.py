@@ -23,12 +23,15 @@ from .model import Model, ModelConfig
 from .model.routing import top_k
 from .model.weights import LayerWeights, StreamedWeights, Weights, row_blocks
 from .sampling import (
+    PromptLogprob,
     SamplingParams,
     StepRecord,
     cut_at_stop_string,
     finish_reason,
     greedy_token,
+    log_softmax,
     token_logprobs,
+    token_rank,
     top2_margin,
 )
 
@@ -191,6 +194,21 @@ def prompt_logits(model: Model, ids, dtype=np.float64):
     return forward(model.reference_weights(dtype), model.config, ids, KVCache())
 
 
+def prompt_logprobs(model: Model, prompt_ids, k: int, dtype=np.float64, keep_logits: bool = False):
+    """vLLM's prompt_logprobs: for each prompt token after the first, its log-probability given the
+    tokens before it -- read from the row of the position before it -- with its rank and the k most
+    likely ids there. The first token has none (nothing comes before it)."""
+    logits = prompt_logits(model, prompt_ids, dtype)                 # [len(prompt), vocab]
+    out = []
+    for position in range(1, len(prompt_ids)):
+        row = logits[position - 1]                                   # [vocab]: predicts prompt_ids[position]
+        token = prompt_ids[position]
+        logprob, top = token_logprobs(row, token, k)
+        out.append(PromptLogprob(position, token, logprob, token_rank(log_softmax(row), token), top,
+                                 logits=row if keep_logits else None))
+    return out
+
+
 def adjusted_logits(logits, prompt_ids, output_ids, params: SamplingParams, eos_token_ids):
     """The row a request's next token is chosen from (vLLM's logits processors, in vLLM's order), in
     float64: while fewer than min_tokens tokens are out, its stop ids (eos unless ignore_eos, and
@@ -220,6 +238,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     steps: list[StepRecord]
+    prompt_logprobs: list[PromptLogprob] | None = None  # where params.prompt_logprobs asked for them
 
     @property
     def margins(self) -> list[float]:
@@ -281,6 +300,10 @@ def generate_lockstep(model: Model, prompts: list, params: list[SamplingParams],
         if progress:
             progress(len(running))
         running = [g for g in running if g.result is None]
+    for g in done:
+        if g.params.prompt_logprobs is not None:
+            g.result.prompt_logprobs = prompt_logprobs(model, g.prompt_ids, g.params.prompt_logprobs, dtype,
+                                                       keep_logits)
     return [g.result for g in done]
 
 

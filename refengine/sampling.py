@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0         # how many top alternatives to report per step
+    # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it, with this
+    # many top alternatives (0: its own only); None: not asked for (reference.prompt_logprobs defines them)
+    prompt_logprobs: int | None = None
     # Logits processors (vLLM's semantics; the float64 definition is reference.adjusted_logits, the
     # engine's engine/penalties.py: they share no code): stop ids masked for the first min_tokens
     # tokens, then logit_bias added, then the repetition penalty over prompt and output tokens, then
@@ -44,6 +47,10 @@ class SamplingParams:
             raise RefengineError(f"temperature: must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RefengineError(f"top_k: must be a non-negative integer, got {self.top_k!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and not isinstance(self.prompt_logprobs, bool)
+                                                     and self.prompt_logprobs >= 0):
+            raise RefengineError(f"prompt_logprobs: must be an integer >= 0, got {self.prompt_logprobs!r}")
         if not 0 < self.top_p <= 1:
             raise RefengineError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.temperature > 0 and self.seed is None:
@@ -132,6 +139,19 @@ class StepRecord:
     adjusted: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (vLLM's prompt_logprobs): read from
+    the logits row of the position before it, in the reference or the engine."""
+    position: int                      # the token's position in the prompt (>= 1: the first has none)
+    token_id: int
+    logprob: float
+    rank: int                          # 1 + how many ids the row rates strictly more likely (vLLM's rank)
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    logits_sha256: str | None = None   # of the float32 row (the engine's bit-exactness check)
+    logits: np.ndarray | None = field(default=None, repr=False, compare=False)  # kept only on request
+
+
 def greedy_token(logits: np.ndarray) -> int:
     """argmax; on an exact tie the lowest id wins (np.argmax returns the first maximum)."""
     return int(np.argmax(logits))
@@ -158,6 +178,11 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
 def token_logprobs(logits: np.ndarray, token: int | None, k: int) -> tuple[float | None, list[tuple[int, float]]]:
     """`token`'s log-probability (None for no token) and the k most likely ids with theirs."""
     return ranked_logprobs(log_softmax(logits.astype(np.float64)), token, k)
+
+
+def token_rank(logprobs: np.ndarray, token: int) -> int:
+    """1 + how many ids of the row are strictly more likely than `token` (ties share a rank)."""
+    return 1 + int(np.count_nonzero(logprobs > logprobs[token]))
 
 
 def _largest_ids(values: np.ndarray, k: int) -> np.ndarray:

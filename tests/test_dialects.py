@@ -2,8 +2,9 @@
 server (stdlib http.server on 127.0.0.1, in a thread) answers from the shipped golden file the way
 vLLM, llama.cpp and HF `transformers serve` do — ids in other places or none at all, no [DONE], a
 trailing incomplete character held back — and validate must judge every answer, not the dialect. A
-server that answers from a golden file cannot apply logits processors: these refuse them by name (HF's
-refuses every field it does not know), which the surface probe records as refused."""
+server that answers from a golden file cannot apply logits processors, prompt logprobs or echo: these
+refuse them by name (HF's refuses every field it does not know), which the surface probe records as
+refused."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from refengine.cli import main
 from refengine.data import shipped
 from refengine.sampling import PROCESSOR_KEYS
 from refengine.validate.board import Cases, validate
+from refengine.validate.dialect import names
 from refengine.validate.plan import Settings
 
 GOLDEN = shipped("golden", "tiny-random.jsonl")
@@ -91,7 +93,7 @@ def dialect_server(golden, dialect: str):
                 if unexpected or unused:
                     what = "Unexpected keys" if unexpected else "Unsupported fields"
                     return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
-            processors = sorted(set(body) & set(PROCESSOR_KEYS))
+            processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo"})
             if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
                 return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
             answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"))
@@ -272,3 +274,15 @@ def test_a_stop_on_the_last_allowed_token_may_be_reported_as_length(case_id, rep
     assert (fields["verdict"] == "match") is accepted, fields
     other_name = accepted and reported != case.finish_reason
     assert fields.get("finish_reason_at_max_tokens") == (reported if other_name else None)
+
+
+@pytest.mark.parametrize("message, field, named", [
+    ("prompt_logprobs: not supported", "logprobs", False),
+    ("logprobs: not supported", "logprobs", True),
+    ("Unexpected keys in the request: {'logprobs'}", "logprobs", True),
+    ("top_logprobs must be <= 20", "logprobs", False),
+    ("bad return_token_ids_v2", "return_token_ids", False),
+    ("cache_salt", "cache_salt", True),
+])
+def test_a_refusal_names_a_field_only_as_a_word_of_its_own(message, field, named):
+    assert names(message, field) is named

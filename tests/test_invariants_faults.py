@@ -63,6 +63,9 @@ PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property wi
     "prefix-caching-is-exact": (
         st.tuples(tiny_model_names(), shared_prefix_schedules("invariant")),
         lambda example, fault: check("prefix-caching-is-exact", *example, fault=fault)),
+    "prefix-caching-scores-whole-prompts": (
+        st.tuples(tiny_model_names(), shared_prefix_schedules("invariant", scoring=True)),
+        lambda example, fault: check("prefix-caching-scores-whole-prompts", *example, fault=fault)),
 }
 CAUGHT_BY = {
     "stale-block-table-after-preemption": "invariant-mode-is-exact",
@@ -95,6 +98,12 @@ CAUGHT_BY = {
     "repetition-penalty-ignores-sign": "reference-agreement",
     "min-tokens-counts-prompt": "reference-agreement",
     "logits-processors-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
+    "prompt-logprobs-shifted-by-one": "reference-agreement",
+    "prompt-logprobs-chunk-end-dropped": "chunking-consistency",
+    "prompt-logprobs-rescored-on-resume": "invariant-mode-is-exact",
+    "prompt-logprobs-from-cached-blocks": "prefix-caching-scores-whole-prompts",
+    "prompt-logprobs-rows-from-step-start": "invariant-mode-is-exact",
+    "echo-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached": "holds other KV than when it was registered",

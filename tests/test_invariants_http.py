@@ -273,10 +273,10 @@ def test_a_penalty_row_bug_fails_the_processed_answers_property(tiny_model, tmp_
 
 
 def test_a_server_that_ignores_processors_it_accepts_fails_the_probe_and_validate(tiny_model, tmp_path):
-    """logits-processors-ignored: the property names what is ignored; validate FAILs with a FINDING line,
-    and passes that part against a clean server."""
+    """logits-processors-ignored and echo-ignored: the property names what is ignored; validate FAILs with a
+    FINDING line, and passes that part against a clean server."""
     golden_path = shipped("golden", "tiny-random.jsonl")
-    for fault in ("logits-processors-ignored", None):
+    for fault in ("logits-processors-ignored", "echo-ignored", None):
         server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
         server.start()
         try:
@@ -285,7 +285,13 @@ def test_a_server_that_ignores_processors_it_accepts_fails_the_probe_and_validat
             code = main(["validate", "--url", server.url, "--golden", str(golden_path), "--report", str(report),
                          "--repro", str(tmp_path / f"repro-{fault}.json")])
             surface = json.loads(report.read_text())["surface"]
-            if fault:
+            if fault == "echo-ignored":
+                with pytest.raises(PropertyFailure, match="completions: echo"):
+                    applies_what_it_accepts(connected)
+                assert code == 1
+                assert surface["completions"]["echo"]["verdict"] == "ignored"
+                assert {surface[api]["logit_bias"]["verdict"] for api in surface} == {"applied"}
+            elif fault:
                 with pytest.raises(PropertyFailure, match="logit_bias"):
                     applies_what_it_accepts(connected)
                 assert code == 1
@@ -295,5 +301,7 @@ def test_a_server_that_ignores_processors_it_accepts_fails_the_probe_and_validat
                 assert {v["verdict"] for verdicts in surface.values() for v in verdicts.values()} <= \
                     {"applied", "accepted"}
                 assert {surface[api]["logit_bias"]["verdict"] for api in surface} == {"applied"}
+                assert {surface[api]["prompt_logprobs"]["verdict"] for api in surface} == {"applied"}
+                assert surface["completions"]["echo"]["verdict"] == "applied" and "echo" not in surface["chat"]
         finally:
             server.close()

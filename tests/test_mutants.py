@@ -5,8 +5,9 @@ Covers validate/aborts, validate/bounds, validate/effects, validate/junit, the f
 of validate/baseline, board's abort count, validate/cache with the cached-token figures it reads,
 the cache groups and salts, check/prefix_cache, refengine/sampling.py's finish, stop-cut and
 log-softmax rules, which the shipped properties hold to check/output_oracle, the oracle's min_tokens
-rules, the processed-row comparison and its noise gain, and validate/surface's probe (slow: a pytest run
-per mutant)."""
+rules, the processed-row comparison and its noise gain, validate/surface's probe, the prompt-logprob
+comparisons (check/comparison, validate/baseline), the reading of prompt logprobs and of a refusal's field
+name (slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,8 @@ ORACLE, T_ORACLE = "refengine/check/output_oracle.py", ["tests/test_output_oracl
 T_PENALTIES = ["tests/test_penalties.py"]
 SURFACE, T_SURFACE = "refengine/validate/surface.py", ["tests/test_validate_surface.py"]
 T_PROBE = ["tests/test_invariants_http.py", "-k", "ignores_processors"]
+COMPARISON, T_PROMPT = "refengine/check/comparison.py", ["tests/test_prompt_logprobs.py"]
+BASELINE, T_BASELINES = "refengine/validate/baseline.py", ["tests/test_validate_baselines.py", "-k", "prompt_logprobs"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
@@ -112,7 +115,38 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (SURFACE, "else PENALTY * (rival == 0)", "else PENALTY", T_SURFACE),
     (SURFACE, "        if not k or margin is None:\n", "        if margin is None:\n", T_SURFACE),
     (SURFACE, "        elif _changed(plain, got, step):\n", "        elif True:\n", T_PROBE),
-    (SURFACE, "if v[\"verdict\"] == \"ignored\"]", "if v[\"verdict\"] != \"applied\"]", T_SURFACE),
+    (SURFACE, "for name, v in verdicts.items() if v[\"verdict\"] in FINDINGS]",
+     "for name, v in verdicts.items() if v[\"verdict\"] == \"ignored\"]", T_SURFACE),
+    (SURFACE, "if got.text.endswith(plain.text):", "if True:", T_SURFACE),
+    (SURFACE, "if not entries or entries[0] is not None or", "if not entries or", T_SURFACE),
+    (SURFACE, "len(entries) != len(ids) or any(", "any(", T_SURFACE),
+    (SURFACE, "got.prompt_token_ids or plain.prompt_token_ids", "got.prompt_token_ids", T_SURFACE),
+    (SURFACE, "if name in REPORTS:", "if False:", T_PROBE),
+    (COMPARISON, "if (g.position, g.token_id) != (w.position, w.token_id):", "if g.position != w.position:", T_PROMPT),
+    (COMPARISON, "g.logits_sha256 is not None and w.logits_sha256 is not None and g.logits_sha256 != w.logits_sha256",
+     "False", T_PROMPT),
+    (COMPARISON, 'for name in ("logprob", "rank", "top_logprobs")', 'for name in ("logprob", "top_logprobs")',
+     T_PROMPT),
+    (COMPARISON, "if deviation is not None and deviation > noise_tolerance:\n            return g.position",
+     "if False:\n            return g.position", T_PROMPT),
+    (COMPARISON, "if not low <= g.rank <= high:", "if False:", T_PROMPT),
+    (COMPARISON, "np.count_nonzero(others > own - 2 * tolerance)", "np.count_nonzero(row > own - 2 * tolerance)",
+     T_PROMPT),
+    (COMPARISON, 'run.finish_reason == "abort" and not run.token_ids for', 'run.finish_reason == "abort" for',
+     T_PROMPT),
+    (COMPARISON, "if part is None and len(got_list) != len(want_list)", "if False and len(got_list) != len(want_list)",
+     T_PROMPT),
+    ("refengine/check/replay.py", "num_prompt_logprobs=request.params.prompt_logprobs", "num_prompt_logprobs=None",
+     T_PROMPT),
+    (BASELINE, "bound = 2 * tolerance", "bound = tolerance", T_BASELINES),
+    (BASELINE, "tolerance == 0 and set(w) != set(h)", "False", T_BASELINES),
+    (BASELINE, "    if len(want) != len(have):\n", "    if False:\n", T_BASELINES),
+    (BASELINE, "if (want is None) != (have is None):", "if False:", T_BASELINES),
+    (BASELINE, "prompt_logprobs_difference(alone, completion, self.tolerance) if not", "None if not", T_BASELINES),
+    ("refengine/validate/dialect.py", 'return re.search(rf"(?<![A-Za-z0-9_]){re.escape(field)}(?![A-Za-z0-9_])"',
+     "return re.search(re.escape(field)", ["tests/test_dialects.py", "-k", "names_a_field"]),
+    ("refengine/validate/wire.py", "if len(values) != len(entry) or None in values.values():", "if False:",
+     T_SURFACE),
 ]
 
 

@@ -226,6 +226,66 @@ def test_sampled_tokens_report_their_own_logprob(server, tiny_model):
         assert logprobs["token_logprobs"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+def prompt_logprobs_of(server, kind: str, body: dict, stream: bool) -> list:
+    """The response's vLLM-shaped prompt_logprobs (the first chunk's, streamed)."""
+    code, raw = call(server.url, "POST", PATHS[kind], {**body, "stream": stream})
+    assert code == 200, raw
+    first = json.loads(raw) if not stream else parse_sse(raw)[0]
+    return first["prompt_logprobs"] if kind == "chat" else first["choices"][0]["prompt_logprobs"]
+
+
+@pytest.mark.parametrize("kind,body", [("chat", CAPITAL), ("completion", STORY)], ids=["chat", "completion"])
+def test_prompt_logprobs_are_the_float64_ones_in_vllms_shape(server, tiny_model, kind, body):
+    """An entry per prompt token, null first; each names the prompt token (with its rank) and the k most likely
+    ids (ranks 1..k); the values are the serial engine's bit for bit and the float64 log-softmax of the
+    reference's rows within float32 noise (computed here from reference.prompt_logits, not the engine's helpers)."""
+    from refengine.reference import prompt_logits
+    prompt_ids = prompt_ids_of(tiny_model, kind, body)
+    engine = LLMEngine(tiny_model, EngineConfig(mode="invariant", max_num_seqs=1))
+    engine.add_request("alone", prompt_ids, params=SamplingParams(max_tokens=1, prompt_logprobs=3))
+    expected = engine.run()["alone"].prompt_logprobs
+    rows = prompt_logits(tiny_model, prompt_ids)
+    f64 = rows - rows.max(axis=1, keepdims=True)
+    f64 -= np.log(np.exp(f64).sum(axis=1, keepdims=True))
+    for stream in (False, True):
+        entries = prompt_logprobs_of(server, kind, {**body, "prompt_logprobs": 3}, stream)
+        assert len(entries) == len(prompt_ids) and entries[0] is None
+        for position, (entry, want) in enumerate(zip(entries[1:], expected), start=1):
+            token = prompt_ids[position]
+            own = entry[str(token)]
+            assert own["logprob"] == want.logprob and own["rank"] == want.rank
+            assert abs(own["logprob"] - f64[position - 1, token]) < 1e-4
+            row = f64[position - 1]
+            assert 1 + np.sum(row > row[token] + 1e-4) <= own["rank"] <= 1 + np.sum(row > row[token] - 1e-4)
+            assert set(entry) == {str(token)} | {str(i) for i, _ in want.top_logprobs} and len(want.top_logprobs) == 3
+            assert all(entry[str(i)]["logprob"] == lp for i, lp in want.top_logprobs)
+            assert all(v["decoded_token"] == tiny_model.tokenizer.decode([int(k)], skip_special_tokens=False)
+                       for k, v in entry.items())
+    code, raw = call(server.url, "POST", PATHS[kind], body)
+    assert code == 200 and "prompt_logprobs" not in json.loads(raw) and \
+        "prompt_logprobs" not in json.loads(raw)["choices"][0]
+
+
+def test_echo_repeats_the_prompt_and_scores_it_first(server, tiny_model):
+    prompt_ids = prompt_ids_of(tiny_model, "completion", STORY)
+    expected = serial(tiny_model, "completion", STORY, logprobs=2)
+    engine = LLMEngine(tiny_model, EngineConfig(mode="invariant", max_num_seqs=1))
+    engine.add_request("alone", prompt_ids, params=SamplingParams(max_tokens=1, prompt_logprobs=2))
+    scored = engine.run()["alone"].prompt_logprobs
+    for stream in (False, True):
+        got = generate(server, "completion", {**STORY, "echo": True, "logprobs": 2}, stream)
+        assert got["text"] == STORY["prompt"] + expected.text and got["token_ids"] == expected.token_ids
+        logprobs = got["logprobs"]
+        pieces = [tiny_model.tokenizer.decode([i], skip_special_tokens=False) for i in prompt_ids + expected.token_ids]
+        assert logprobs["tokens"] == pieces
+        assert logprobs["token_logprobs"] == [None] + [p.logprob for p in scored] + \
+            [s.top_logprobs[0][1] for s in expected.steps]
+        assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 2
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
+    plain = generate(server, "completion", {**STORY, "echo": True}, stream=False)
+    assert plain["text"] == STORY["prompt"] + expected.text and plain["logprobs"] is None
+
+
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n"
                      "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
@@ -289,6 +349,11 @@ BAD_REQUESTS = {
                              "min_tokens"),
     "min-tokens-negative": ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    "prompt-logprobs-negative": ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    "prompt-logprobs-too-many": ("/v1/chat/completions", {**CAPITAL, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    "prompt-logprobs-text": ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "2"}, 400, "prompt_logprobs"),
+    "echo-on-chat": ("/v1/chat/completions", {**CAPITAL, "echo": True}, 400, "echo"),
+    "echo-not-boolean": ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
     "beyond-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     "oversize-body": ("/v1/completions", {"prompt": "x" * MAX_BODY}, 413, None),
     "unknown-path": ("/v2/everything", {"prompt": "hi"}, 404, None),

@@ -18,7 +18,7 @@ from refengine.cli import main
 from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.serve import OpenAIServer
-from refengine.validate.baseline import judge_serial
+from refengine.validate.baseline import judge_serial, prompt_logprobs_difference
 from refengine.validate.board import send_alone, served_model
 from refengine.validate.client import Endpoint
 from refengine.validate.plan import Planned
@@ -172,3 +172,40 @@ def test_a_server_that_ignores_cache_salt_is_noted(serve, tmp_path, capsys):
     code, report = validate(tmp_path, "--url", url, "--golden", str(GOLDEN))
     assert code == 0 and report["cache"]["cold_with_cached_tokens"]  # right answers; the isolation is gone
     assert "ignores cache_salt" in capsys.readouterr().out
+
+
+def scored(entries, cancelled=False) -> Completion:
+    return Completion("x", [5], [1, 2], "length", cancelled, "token_ids", prompt_logprobs=entries)
+
+
+@pytest.mark.parametrize("alone, loaded, tolerance, problem", [
+    (None, None, 0.0, None),
+    ([None, {2: -1.0}], [None, {2: -1.0}], 0.0, None),
+    ([None, {2: -1.0}], None, 0.0, "alone only"),
+    (None, [None, {2: -1.0}], 0.0, "under load only"),
+    ([None, {2: -1.0}], [None, {2: -1.0}, {3: -1.0}], 0.0, "3 prompt logprob entries, alone 2"),
+    ([None, {2: -1.0}], [None, {2: -1.0 + 1e-9}], 0.0, "prompt position 1, token 2"),   # bit-exact at tolerance 0
+    ([None, {2: -1.0}], [None, {2: -1.0 + 1e-9}], 1e-9, None),
+    ([None, {2: -1.0}], [None, {2: -1.0 + 3e-9}], 1e-9, "> bound 2e-09"),                 # 2 x the logit bound
+    ([None, {2: -1.0, 7: -2.0}], [None, {2: -1.0, 8: -2.0}], 0.0, "prompt position 1: ids [2, 8], alone [2, 7]"),
+    ([None, {2: -1.0, 7: -2.0}], [None, {2: -1.0, 8: -2.0}], 1e-9, None),  # a near-tie may swap alternatives
+    ([None, {2: -1.0}], [{2: -1.0}, {2: -1.0}], 1e-9, "prompt position 0"),
+])
+def test_prompt_logprobs_under_load_are_the_alone_ones_within_twice_the_bound(alone, loaded, tolerance, problem):
+    got = prompt_logprobs_difference(scored(alone), scored(loaded), tolerance)
+    assert (got is None) if problem is None else (got is not None and problem in got), got
+
+
+def test_the_serial_baseline_fails_prompt_logprobs_that_moved_under_load():
+    from dataclasses import replace
+
+    from refengine.check.golden import GoldenCase
+    from refengine.validate.baseline import SerialBaseline
+    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="xy",
+                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
+    alone = Completion("xy", [7, 8], [1, 2], "length", False, "token_ids", prompt_logprobs=[None, {2: -1.0}])
+    baseline = SerialBaseline({("c", "completions"): alone}, 0.0)
+    planned = Planned("r0", case, "completions", 0.0, False, None)
+    assert baseline.judge(planned, alone)["verdict"] == "match"
+    record = baseline.judge(planned, replace(alone, prompt_logprobs=[None, {2: -1.5}]))
+    assert (record["verdict"], record["compared_by"]) == ("diverged", "prompt_logprobs") and "token 2" in record["note"]

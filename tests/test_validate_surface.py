@@ -7,8 +7,15 @@ import pytest
 
 from refengine.check.golden import GoldenCase
 from refengine.validate.repro import planned_from
-from refengine.validate.surface import ProcessedCase, ignored, must_change_at, surface_notes, variants
-from refengine.validate.wire import Completion, TokenLogprob
+from refengine.validate.surface import (
+    ProcessedCase,
+    _reported,
+    ignored,
+    must_change_at,
+    surface_notes,
+    variants,
+)
+from refengine.validate.wire import Completion, Stream, TokenLogprob, whole
 
 
 def answer(ids: list[int], margins: list[float]) -> Completion:
@@ -45,15 +52,54 @@ def case(case_id="c", token_ids=(7, 8)) -> GoldenCase:
 
 
 def test_a_processed_variant_is_its_case_with_fields_and_resolves_from_a_repro():
-    penalties, bias = variants(case())
-    assert (penalties.id, bias.id) == ("c+penalties", "c+bias")
+    penalties, scored, bias = variants(case())
+    assert (penalties.id, scored.id, bias.id) == ("c+penalties", "c+prompt-logprobs", "c+bias")
+    assert scored.fields == {"prompt_logprobs": 2}
     assert bias.fields == {"logit_bias": {"7": -100.0}, "min_tokens": 2}  # against the golden first token
     assert bias.prompt_ids == [1, 2] and bias.max_tokens == 4 and bias.base.id == "c"
     data = {"source": "g.jsonl", "requests": [{"id": "r0", "case": "c+bias", "api": "completions", "streamed": False,
                                                "arrival_s": 0.0, "cancel_after": None}]}
     assert planned_from(data, [case()], "repro.json")[0].case == bias
     no_answer = ProcessedCase(case(token_ids=()), "x", "{}")
-    assert [v.variant for v in variants(no_answer.base)] == ["penalties"]  # no golden token to bias against
+    assert [v.variant for v in variants(no_answer.base)] == ["penalties", "prompt-logprobs"]  # no golden token to bias
+
+
+def text(value: str, prompt_ids=None, scored=None) -> Completion:
+    return Completion(value, None, prompt_ids, "length", False, prompt_logprobs=scored)
+
+
+@pytest.mark.parametrize("got, verdict", [
+    (text("Hello world", [1, 2]), "ignored"),           # the plain text: no prompt before it
+    (text("Hi, Hello world", [1, 2]), "applied"),
+    (text("Hi, Hello worl", [1, 2]), "wrong"),           # not the plain answer's text at the end
+])
+def test_echo_is_applied_only_where_the_plain_answer_comes_after_more_text(got, verdict):
+    assert _reported("echo", text("Hello world", [1, 2]), got)["verdict"] == verdict
+
+
+@pytest.mark.parametrize("prompt_ids, scored, verdict", [
+    ([1, 2, 3], None, "unsupported"),
+    ([1, 2, 3], [None, {2: -1.0}, {3: -0.5, 9: -0.2}], "applied"),
+    (None, [None, {2: -1.0}, {3: -0.5}], "applied"),         # no prompt ids to check the tokens against
+    ([1, 2, 3], [None, {2: -1.0}], "wrong"),                 # one entry short
+    ([1, 2, 3], [None, {2: -1.0}, {4: -0.5}], "wrong"),       # the last names another token than the prompt's
+    ([1, 2, 3], [{1: -0.1}, {2: -1.0}, {3: -0.5}], "wrong"),  # the first token has nothing before it
+    ([1, 2, 3], [None, None, {3: -0.5}], "wrong"),
+    ([1, 2, 3], [], "wrong"),
+])
+def test_prompt_logprobs_are_applied_only_where_every_prompt_token_has_its_entry(prompt_ids, scored, verdict):
+    assert _reported("prompt_logprobs", text("x", prompt_ids), text("x", prompt_ids, scored))["verdict"] == verdict
+    if prompt_ids is None:  # the plain answer's ids stand in for the reply's
+        assert _reported("prompt_logprobs", text("x", [1, 2, 4]), text("x", None, scored))["verdict"] == "wrong"
+
+
+def test_a_wrong_answer_is_a_finding_and_an_unsupported_extension_a_note():
+    surface = {"completions": {"echo": {"verdict": "wrong", "why": "w"},
+                               "prompt_logprobs": {"verdict": "unsupported", "why": "u"}}}
+    assert ignored(surface) == ["completions: echo"]
+    notes = surface_notes(surface)
+    assert notes[1].startswith("FINDING: completions: the server answers echo wrongly") and \
+        notes[2].startswith("note: completions: prompt_logprobs unsupported") and len(notes) == 3
 
 
 def test_only_an_ignored_parameter_is_a_finding():
@@ -66,3 +112,20 @@ def test_only_an_ignored_parameter_is_a_finding():
     assert notes[:2] == ["surface (chat): logit_bias ignored, min_tokens refused, presence_penalty accepted",
                          "surface (completions): logit_bias applied"]
     assert notes[2].startswith("FINDING: chat: the server accepts logit_bias and ignores it") and len(notes) == 4
+
+
+@pytest.mark.parametrize("entries, parsed", [
+    ([None, {"5": {"logprob": -1.5, "rank": 2}, "7": {"logprob": -0.5}}], [None, {5: -1.5, 7: -0.5}]),
+    ([None, {"5": {"logprob": "x"}}], None),     # a logprob that is not a number
+    ([None, {"five": {"logprob": -1.0}}], None),  # a key that is not a token id
+    ([None, [-1.0]], None),                       # an entry that is not an object
+    ("no", None),
+])
+def test_prompt_logprobs_are_read_in_vllms_shape_or_not_at_all(entries, parsed):
+    choice = {"text": "x", "finish_reason": "length", "prompt_logprobs": entries}
+    assert whole({"choices": [choice]}).prompt_logprobs == parsed
+    assert whole({"choices": [{"text": "x"}], "prompt_logprobs": entries}).prompt_logprobs == parsed  # chat's place
+    stream = Stream()
+    stream.add({"choices": [{"text": "x", "prompt_logprobs": entries}]})
+    stream.add({"choices": [{"text": "y", "finish_reason": "length"}]})
+    assert stream.completion(False, True).prompt_logprobs == parsed

@@ -9,6 +9,13 @@ noise as processing can grow it: check.margin_rule.processed_noise_gain). Both t
 (check.calibrate), never from the runs being judged.
 An aborted run's tokens need only be a prefix of the other's.
 
+Prompt logprobs, where the request asked for them (`num_prompt_logprobs`), before any generated token:
+the same positions, each naming the same prompt token; exact mode, every value (logprob, rank,
+alternatives, the row's sha256) bit-identical; otherwise the row within `noise_tolerance`, the logprob
+and alternatives within logprob_tolerance of the baseline row's float64 log-softmax, and the rank
+between the ranks that tolerance allows there. A run aborted before its first token need only have
+scored a prefix of the other's.
+
 Logprobs, where the request asked for them (`num_logprobs`: the alternatives requested, 0 for the
 chosen token's only), on every agreeing step: exact mode, the chosen token's logprob and the
 alternatives (ids, order, values) bit-identical to the baseline's; otherwise each reported value
@@ -84,6 +91,69 @@ def logprob_difference(got, want, num_logprobs: int, *, exact: bool, tolerance: 
     return None
 
 
+def _rank_bounds(row: np.ndarray, token: int, tolerance: float) -> tuple[int, int]:
+    """The ranks `token` may report in a row known up to `tolerance` per logprob: 1 + the other ids surely
+    more likely, to 1 + the other ids that may be."""
+    own, others = row[token], np.delete(row, token)
+    surely, maybe = np.count_nonzero(others > own + 2 * tolerance), np.count_nonzero(others > own - 2 * tolerance)
+    return 1 + int(surely), 1 + int(maybe)
+
+
+def prompt_difference(got, want, num_logprobs: int, *, exact: bool, noise_tolerance: float = 0.0,
+                      names: tuple[str, str] = ("got", "baseline")) -> tuple[int, str] | None:
+    """None when the prompt logprobs of `got` (sampling.PromptLogprob list) agree with `want`'s (module
+    docstring), else (the prompt position, what differs there)."""
+    got_name, want_name = names
+    for g, w in zip(got, want):
+        if (g.position, g.token_id) != (w.position, w.token_id):
+            return w.position, (f"prompt logprob for token {g.token_id} at position {g.position}, {want_name}'s for "
+                                f"token {w.token_id} at position {w.position}")
+        if exact:
+            if g.logits_sha256 is not None and w.logits_sha256 is not None and g.logits_sha256 != w.logits_sha256:
+                return g.position, "its logits row differs (bitwise)"
+            fields = [(name, getattr(g, name), getattr(w, name)) for name in ("logprob", "rank", "top_logprobs")]
+            for name, a, b in fields:
+                if a != b:
+                    return g.position, f"{name} not bit-identical: {got_name} {a!r}, {want_name} {b!r} (bound 0)"
+            continue
+        deviation = logit_deviation(g.logits, w.logits)
+        if deviation is not None and deviation > noise_tolerance:
+            return g.position, f"logit deviation {deviation:.3g} above the noise tolerance {noise_tolerance:.3g}"
+        tolerance = logprob_tolerance(noise_tolerance)
+        problem = logprob_difference(g, w, num_logprobs, exact=False, tolerance=tolerance, names=names)
+        if problem:
+            return g.position, problem
+        if w.logits is not None:
+            low, high = _rank_bounds(oracle_log_softmax(w.logits), g.token_id, tolerance)
+            if not low <= g.rank <= high:
+                return g.position, f"rank {g.rank}, {want_name}'s row allows {low}-{high} (bound {tolerance:.3g})"
+    return None
+
+
+def _prompt_verdict(request_id: str, got, want, num_logprobs: int, exact: bool, noise_tolerance: float,
+                    names: tuple[str, str]) -> Verdict | None:
+    got_list, want_list = getattr(got, "prompt_logprobs", None), getattr(want, "prompt_logprobs", None)
+    if got_list is None or want_list is None:
+        missing = names[0] if got_list is None else names[1]
+        return Verdict(request_id, "diverged", "prompt_logprobs", reason=f"{missing}: no prompt logprobs reported")
+    part = next((i for i, (g, w) in enumerate(zip(got_list, want_list)) if g.position != w.position), None)
+    cut_short = [run.finish_reason == "abort" and not run.token_ids for run in (got, want)]
+    if part is None and len(got_list) != len(want_list) and not any(cut_short):
+        part = min(len(got_list), len(want_list))
+    if part is not None:
+        def at(lst):
+            return "(none)" if part >= len(lst) else f"position {lst[part].position} (token {lst[part].token_id})"
+        return Verdict(request_id, "diverged", "prompt_logprobs", index=part + 1,
+                       reason=f"{len(got_list)} prompt logprobs, {names[1]} {len(want_list)}: entry {part} is "
+                              f"{at(got_list)} in {names[0]}, {at(want_list)} in {names[1]}")
+    problem = prompt_difference(got_list, want_list, num_logprobs, exact=exact, noise_tolerance=noise_tolerance,
+                                names=names)
+    if problem:
+        return Verdict(request_id, "diverged", "prompt_logprobs", index=problem[0], reason=problem[1],
+                       tolerance=0.0 if exact else logprob_tolerance(noise_tolerance))
+    return None
+
+
 def logit_deviation(got, want) -> float | None:
     if got is None or want is None:
         return None
@@ -102,12 +172,17 @@ def adjusted_deviation(got, want) -> float | None:
 
 def compare_request(request_id: str, got, want, *, exact: bool, margin_tolerance: float = 0.0,
                     noise_tolerance: float = 0.0, num_logprobs: int | None = None,
-                    names: tuple[str, str] = ("got", "baseline")) -> Verdict:
+                    num_prompt_logprobs: int | None = None, names: tuple[str, str] = ("got", "baseline")) -> Verdict:
     """`got` / `want`: objects with token_ids, finish_reason and steps (sampling.StepRecord: token_id,
     top2_margin, logits_sha256 and logits where kept, logprob and top_logprobs where asked for, `step`
     on an engine's records). `num_logprobs`: the alternatives the request asked for (None: no logprobs,
     nothing to compare); judged on every agreeing step, bit-exact or within
-    logprob_tolerance(noise_tolerance)."""
+    logprob_tolerance(noise_tolerance). `num_prompt_logprobs`: the alternatives per prompt token the
+    request asked for (None: no prompt logprobs), judged first."""
+    if num_prompt_logprobs is not None:
+        prompt_verdict = _prompt_verdict(request_id, got, want, num_prompt_logprobs, exact, noise_tolerance, names)
+        if prompt_verdict is not None:
+            return prompt_verdict
     tolerance = 0.0 if exact else margin_tolerance
     seen = 0.0
 

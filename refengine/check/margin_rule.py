@@ -21,9 +21,9 @@ SAFETY_FACTOR = 8  # every bound's multiplier: 2 (both logits of a pair move) x 
 class Verdict:
     id: str                              # the request or golden case judged
     kind: str                            # "match" | "explained" | "diverged" | "skipped"
-    compared_by: str = "token_ids"       # "token_ids" | "text"
+    compared_by: str = "token_ids"       # "token_ids" | "text" | "prompt_logprobs"
     reason: str = ""                     # what differed, for a divergence; why, for "skipped"
-    index: int | None = None             # generated-token index where the runs part
+    index: int | None = None             # generated-token index where the runs part (prompt_logprobs: prompt position)
     engine_step: int | None = None       # the engine step that produced that token in the judged run
     got: int | None = None               # judged token there (None: unknown, or the judged run had ended)
     want: int | None = None              # baseline token there (None: the baseline had ended)
@@ -144,6 +144,9 @@ def describe(v: Verdict, got_name: str = "got", want_name: str = "expected", dec
     def fmt(x):
         return "-" if x is None else f"{x:.6g}"
 
+    if v.compared_by == "prompt_logprobs":  # the prompt's tokens are given: no margin to explain anything
+        where = "its prompt logprobs" if v.index is None else f"prompt token {v.index}"
+        return f"{v.id}: {v.kind} at {where}: {v.reason}"
     where = "the text" if v.index is None else f"generated token {v.index}" + (
         "" if v.engine_step is None else f" (engine step {v.engine_step})")
     lines = [f"{v.id}: {v.kind} at {where}" + (f": {v.reason}" if v.reason else "")]

@@ -173,5 +173,6 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
         verdicts[request.id] = compare_request(request.id, outputs[request.id], want, exact=exact,
                                                margin_tolerance=(tol or 0.0) * processed_noise_gain(request.params),
                                                noise_tolerance=tol or 0.0,
-                                               num_logprobs=request.logprobs, names=names)
+                                               num_logprobs=request.logprobs,
+                                               num_prompt_logprobs=request.params.prompt_logprobs, names=names)
     return ReplayResult(schedule, config, against, verdicts, outputs, engine.trace, tol, failure, names)

@@ -9,6 +9,8 @@ every step and the K most likely alternatives with theirs (0: the chosen token's
 Logits processors (vLLM's names and semantics, reference.adjusted_logits): `presence_penalty`,
 `frequency_penalty` (each in [-2, 2]), `repetition_penalty` (in (0, 2]), `logit_bias` ({"token id":
 bias in [-100, 100]}) and `min_tokens` (0 to max_tokens).
+A request's optional `prompt_logprobs`: K (an integer >= 0) asks for each prompt token's log-probability
+given the tokens before it, its rank and the K most likely ids there (vLLM's; reference.prompt_logprobs).
 The engine is asked as the server asks it (SamplingParams.logprobs = max(K, 1): it reports at least
 one alternative); ScheduledRequest.logprobs keeps K, the number of alternatives compared.
 """
@@ -26,7 +28,7 @@ from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
 ENGINE_KEYS = set(SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", "cache_salt", *PROCESSOR_KEYS}
+                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "cache_salt", *PROCESSOR_KEYS}
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
 
 
@@ -90,6 +92,10 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
     logprobs = raw.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise RefengineError(f"{where}.logprobs: expected an integer >= 0 (alternatives per step), got {logprobs!r}")
+    prompt_logprobs = raw.get("prompt_logprobs")
+    if prompt_logprobs is not None and (not _is_int(prompt_logprobs) or prompt_logprobs < 0):
+        raise RefengineError(f"{where}.prompt_logprobs: expected an integer >= 0 (alternatives per prompt token), "
+                             f"got {prompt_logprobs!r}")
     cache_salt = raw.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise RefengineError(f"{where}.cache_salt: expected a non-empty string, got {cache_salt!r}")
@@ -97,7 +103,8 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
         params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
                                 ignore_eos=bool(raw.get("ignore_eos", False)),
-                                logprobs=0 if logprobs is None else max(logprobs, 1), **processor_params(raw))
+                                logprobs=0 if logprobs is None else max(logprobs, 1),
+                                prompt_logprobs=prompt_logprobs, **processor_params(raw))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
     return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt)

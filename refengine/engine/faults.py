@@ -45,6 +45,12 @@ class Fault(Enum):
     REPETITION_PENALTY_IGNORES_SIGN = "repetition-penalty-ignores-sign"
     MIN_TOKENS_COUNTS_PROMPT = "min-tokens-counts-prompt"
     LOGITS_PROCESSORS_IGNORED = "logits-processors-ignored"
+    PROMPT_LOGPROBS_SHIFTED_BY_ONE = "prompt-logprobs-shifted-by-one"
+    PROMPT_LOGPROBS_CHUNK_END_DROPPED = "prompt-logprobs-chunk-end-dropped"
+    PROMPT_LOGPROBS_RESCORED_ON_RESUME = "prompt-logprobs-rescored-on-resume"
+    PROMPT_LOGPROBS_FROM_CACHED_BLOCKS = "prompt-logprobs-from-cached-blocks"
+    PROMPT_LOGPROBS_ROWS_FROM_STEP_START = "prompt-logprobs-rows-from-step-start"
+    ECHO_IGNORED = "echo-ignored"
 
 
 DESCRIPTIONS = {
@@ -138,6 +144,26 @@ DESCRIPTIONS = {
     Fault.LOGITS_PROCESSORS_IGNORED:
         "the server accepts penalties, logit_bias and min_tokens and drops them before the engine sees the "
         "request: every answer is the plain one (serve layer)",
+    Fault.PROMPT_LOGPROBS_SHIFTED_BY_ONE:
+        "prompt logprobs are read from the row of each token's own position instead of the one before it: "
+        "every prompt token gets the probability of the token after it (identical batched and alone: only "
+        "the float64 reference sees it)",
+    Fault.PROMPT_LOGPROBS_CHUNK_END_DROPPED:
+        "the last row of a prefill chunk that does not end the prompt is taken for a sampling row and not "
+        "scored: the prompt token after every chunk boundary gets no logprob (alone, a prompt that fits the "
+        "token budget is one chunk)",
+    Fault.PROMPT_LOGPROBS_RESCORED_ON_RESUME:
+        "a request resumed after a preemption scores its recomputed prompt again: its prompt logprobs are "
+        "reported twice",
+    Fault.PROMPT_LOGPROBS_FROM_CACHED_BLOCKS:
+        "with prefix caching, a request asking for prompt logprobs takes a cache hit like any other: the "
+        "cached positions compute no rows, so their prompt tokens get no logprobs",
+    Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START:
+        "the rows a chunk scores are indexed from the step's first row instead of the chunk's own first row: "
+        "right while the chunk comes first in its step, another request's rows after that",
+    Fault.ECHO_IGNORED:
+        "the server accepts echo on completions and answers without the prompt's text before the answer's "
+        "(serve layer)",
     Fault.SLOT_LEAK:
         "an admission slot is not returned when a request ends by a hang-up (abort) or an error, so "
         "leaked slots turn into refused requests (serve layer)",

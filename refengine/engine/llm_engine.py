@@ -54,6 +54,7 @@ from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, TokenEvent, request_output
 from .penalties import PenaltyRows
+from .prompt_logprobs import PromptScorer
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
@@ -77,6 +78,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config)
         self.penalties = PenaltyRows(model.config.vocab_size, model.config.eos_token_ids, fault)
+        self.prompt_scorer = PromptScorer(fault, keep_logits, digest_logits)
         self.requests_with_logits_processors = 0
         self.sequences: dict[str, Sequence] = {}
         self.num_steps = 0
@@ -156,7 +158,11 @@ class LLMEngine:
         self._release_penalty_rows()
         kv_blocks_used = self.block_manager.num_used_blocks
         sampling = [c for c in output.chunks if c.samples]
-        logits = self.runner.execute(output.chunks, self.block_manager) if output.chunks else ()
+        scored = self.prompt_scorer.positions(output.chunks)
+        logits = self.runner.execute(output.chunks, self.block_manager, scored) if output.chunks else ()
+        if scored:  # the prompt rows follow the sampling rows; a first token's event carries its prompt's
+            self.prompt_scorer.record(output.chunks, scored, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         self.scheduler.postprocess(output)
         left = self._finished_last_step or bool(aborted)
         if self._misassign_after_leave and left and len(sampling) > 1:
@@ -236,8 +242,10 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason, step)
             seq.final_events += 1
+        first = len(seq.output_ids) == 1 and params.prompt_logprobs is not None
         return TokenEvent(seq.request_id, step, token, record.top2_margin, record.logits_sha256,
-                          seq.take_text_delta(), reason, record.top_logprobs, record.logprob)
+                          seq.take_text_delta(), reason, record.top_logprobs, record.logprob,
+                          list(seq.prompt_logprobs) if first else None)
 
     def choose_token(self, logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
         """The token the engine draws from one logits row for generated token `token_index`."""
@@ -291,7 +299,8 @@ class LLMEngine:
                 "prefix_cache_queries": self.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "logits_processor_rows": len(self.penalties.ids),
-                "requests_with_logits_processors": self.requests_with_logits_processors}
+                "requests_with_logits_processors": self.requests_with_logits_processors,
+                "prompt_logprob_tokens": self.prompt_scorer.scored_tokens}
 
     def check_invariants(self) -> None:
         """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every

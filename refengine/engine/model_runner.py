@@ -152,6 +152,7 @@ class ModelRunner:
         self.row_past_next_chunk = config.injected is Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
         self.short_decode_after_prefill = config.injected is Fault.DECODE_CONTEXT_AFTER_PREFILL
         self.moves_spans = self.short_chunk_past or self.short_decode_after_prefill
+        self.scored_from_step_start = config.injected is Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
@@ -167,10 +168,13 @@ class ModelRunner:
         y = packed.matmul(x, weight)
         return y if bias is None else y + bias
 
-    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager) -> np.ndarray:
-        """Run one forward over `chunks`; returns float32 logits [num sampling chunks, vocab]."""
+    def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager,
+                scored: list[tuple[int, range]] = ()) -> np.ndarray:
+        """Run one forward over `chunks`; returns float32 logits [num sampling chunks + scored rows, vocab]:
+        a row per sampling chunk, then the rows of `scored`'s positions ((chunk index, positions) pairs:
+        engine/prompt_logprobs.py), in order."""
         cfg = self.cfg
-        inputs, plan, sampling_rows, keys = self._prepare(chunks, block_manager)
+        inputs, plan, sampling_rows, keys = self._prepare(chunks, block_manager, scored)
         ids, positions, slots = inputs
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
@@ -224,15 +228,17 @@ class ModelRunner:
             x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
         return x
 
-    def _prepare(self, chunks: list[ScheduledChunk], block_manager: BlockManager):
+    def _prepare(self, chunks: list[ScheduledChunk], block_manager: BlockManager, scored=()):
         """The step's inputs in one pass over the chunks: (ids, positions, slots) [tokens] int64 each, the
-        AttentionPlan, the rows that sample (one per sampling chunk) and the keys all rows attend to.
+        AttentionPlan, the rows that meet the head (one per sampling chunk, then `scored`'s) and the keys
+        all rows attend to.
         Python lists, one array each at the end: a decode step has one token per chunk, and a numpy
         call per chunk cost more than the tiny models' whole forward."""
         width = max(len(c.seq.block_table.block_ids) for c in chunks)
         ids, positions, slots, row_seq, row_keys, tables, whole, sampling = [], [], [], [], [], [], [], []
-        lo = 0
+        lo, firsts = 0, []
         for i, c in enumerate(chunks):
+            firsts.append(lo)
             seq, start, end, n = c.seq, c.start, c.start + c.num_tokens, c.num_tokens
             ids += seq.token_ids[start:end]
             shift = int(self.shift_on_join and i > 0 and start == 0)
@@ -248,6 +254,9 @@ class ModelRunner:
             lo += n
             if c.samples:
                 sampling.append(self._sampling_row(chunks, i, lo) if self.row_past_next_chunk else lo - 1)
+        for i, span in scored:  # row = the chunk's first row + (position - its start)
+            first = 0 if self.scored_from_step_start else firsts[i]  # Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START
+            sampling += range(first + span.start - chunks[i].start, first + span.stop - chunks[i].start)
         paged = None
         if whole:
             keep = np.ones(lo, dtype=bool)

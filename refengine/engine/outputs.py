@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sampling import StepRecord
+from ..sampling import PromptLogprob, StepRecord
 from .sequence import Sequence
 
 
@@ -19,6 +19,7 @@ class TokenEvent:
     finish_reason: str | None  # None | "stop" | "length" | "abort"
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     logprob: float | None = None  # the token's own log-probability, when its request asked for logprobs
+    prompt_logprobs: list[PromptLogprob] | None = None  # on a request's first token, where it asked for them
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RequestOutput:
     tpot_steps: float | None   # steps per output token after the first
     tpot_s: float | None
     num_cached_tokens: int = 0  # prompt tokens whose KV its first admission took from the prefix cache
+    prompt_logprobs: list[PromptLogprob] | None = None  # positions 1.. scored so far; None: not asked for
 
     def to_json(self) -> dict:
         """The per-request object of the run-output format (FORMATS.md)."""
@@ -46,7 +48,11 @@ class RequestOutput:
                            "logits_sha256": s.logits_sha256} for s in self.steps],
                 "prompt_ids": self.prompt_ids, "num_preemptions": self.num_preemptions,
                 "num_cached_tokens": self.num_cached_tokens, "ttft_steps": self.ttft_steps,
-                "tpot_steps": self.tpot_steps}
+                "tpot_steps": self.tpot_steps,
+                **({} if self.prompt_logprobs is None else {"prompt_logprobs": [
+                    {"position": p.position, "token_id": p.token_id, "logprob": p.logprob, "rank": p.rank,
+                     "top_logprobs": p.top_logprobs, "logits_sha256": p.logits_sha256}
+                    for p in self.prompt_logprobs]})}
 
 
 def request_output(seq: Sequence) -> RequestOutput:
@@ -62,4 +68,5 @@ def request_output(seq: Sequence) -> RequestOutput:
         ttft_steps=None if first is None else first - seq.arrival_step + 1, ttft_s=ttft_s,
         tpot_steps=(seq.records[-1].step - first) / (n - 1) if has_tpot else None,
         tpot_s=(seq.finish_time - seq.first_token_time) / (n - 1) if has_tpot else None,
-        num_cached_tokens=seq.num_cached_tokens or 0)
+        num_cached_tokens=seq.num_cached_tokens or 0,
+        prompt_logprobs=None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))

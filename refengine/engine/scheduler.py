@@ -62,6 +62,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._hashes = self._unchained_hashes if self.fault is Fault.PREFIX_HASH_NOT_CHAINED else self._chained_hashes
         self._drop_last_hit = self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED
+        # vLLM's rule: a request still to score its prompt computes every row
+        # (Fault.PROMPT_LOGPROBS_FROM_CACHED_BLOCKS: it does not)
+        self._looks_up = (lambda seq: True) if self.fault is Fault.PROMPT_LOGPROBS_FROM_CACHED_BLOCKS \
+            else (lambda seq: not seq.scoring_prompt)
         self.prefix_cache_queries = 0  # tokens looked up at admissions, and those found cached
         self.prefix_cache_hits = 0     # (vLLM's vllm:prefix_cache_queries / _hits, in tokens)
 
@@ -140,8 +144,9 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The registered blocks a joining sequence's tokens start with, all but its last token: that
-        one is always computed, so a full hit still yields the logits row it samples from."""
-        if not self.block_manager.enable_caching:
+        one is always computed, so a full hit still yields the logits row it samples from. None for a
+        sequence whose prompt logprobs are still to be scored (a cached position computes no row to score)."""
+        if not self.block_manager.enable_caching or not self._looks_up(seq):
             return []
         return self.block_manager.cached_prefix(self._hashes(seq, seq.num_tokens - 1))
 

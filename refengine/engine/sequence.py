@@ -5,7 +5,7 @@ import time
 from enum import Enum
 
 from ..model.tokenizer import IncrementalDetokenizer
-from ..sampling import SamplingParams, StepRecord, cut_at_stop_string
+from ..sampling import PromptLogprob, SamplingParams, StepRecord, cut_at_stop_string
 from .block_manager import BlockTable, block_hashes
 
 
@@ -40,6 +40,7 @@ class Sequence:
         self._block_hashes: list[bytes] = []  # of its full blocks so far (its tokens only ever grow)
         self.hash_root = hash_root  # its first block's parent hash (block_manager.salt_root)
         self.stop_from = 0  # stop strings count where they end past this: its text up to its min_tokens-th token
+        self.prompt_logprobs: list[PromptLogprob] = []  # scored so far, positions 1.. (engine/prompt_logprobs.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,6 +62,11 @@ class Sequence:
     def max_num_tokens(self) -> int:
         """The most tokens this request can ever hold: prompt plus every allowed generated token."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether it asked for prompt logprobs and has prompt tokens left to score."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
         """The chained hashes of the full blocks of its first `num_tokens` tokens (block_manager)."""

@@ -131,6 +131,8 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, kind: str) -> None:
         s = self.server
         request = parse_request(kind, self._read_json(), s.model, s.served_name, s.context_tokens)
+        if not s.echoes:  # Fault.ECHO_IGNORED
+            request.echo = None
         try:
             stream = s.engine_thread.submit(request.request_id, request.prompt_ids, request.params,
                                             client_gone=self._client_gone, cache_salt=request.cache_salt)
@@ -154,14 +156,15 @@ class Handler(BaseHTTPRequestHandler):
                 raise
 
     def _send_whole(self, stream: RequestStream, builder: ResponseBuilder) -> None:
-        tokens, finish_reason = [], None
+        tokens, finish_reason, scored = [], None, None
         try:
             for event in self._events(stream):
                 tokens.extend(generated(event, builder.request.logprobs))
                 finish_reason = event.finish_reason
+                scored = event.prompt_logprobs if event.prompt_logprobs is not None else scored
         except EngineStopped as e:
             raise ApiError(500, str(e), code="engine_stopped", type="server_error") from None
-        self._send_json(200, builder.response(tokens, finish_reason, self._cached(stream)))
+        self._send_json(200, builder.response(tokens, finish_reason, self._cached(stream), scored))
 
     def _send_stream(self, request: GenerationRequest, stream: RequestStream, builder: ResponseBuilder) -> None:
         self.send_response(200)
@@ -175,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
             for n, event in enumerate(self._events(stream)):
                 tokens = generated(event, request.logprobs)
                 num_generated += len(tokens)
-                self._send_event(builder.chunk(tokens, event.finish_reason, first=n == 0))
+                self._send_event(builder.chunk(tokens, event.finish_reason, first=n == 0, scored=event.prompt_logprobs))
         except EngineStopped as e:
             self._send_event(ApiError(500, str(e), code="engine_stopped", type="server_error").body())
             return

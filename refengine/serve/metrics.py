@@ -34,6 +34,8 @@ COUNTERS = (
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
     ("refengine_requests_with_logits_processors", "requests_with_logits_processors",
      "Requests that asked for penalties, logit_bias or min_tokens."),
+    ("refengine_prompt_logprob_tokens", "prompt_logprob_tokens",
+     "Prompt tokens scored for prompt logprobs (prompt_logprobs, echo with logprobs)."),
 )
 FINISH_REASONS = ("stop", "length")  # vllm:request_success_total{finished_reason}; aborts are counted apart
 

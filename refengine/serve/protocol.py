@@ -5,7 +5,11 @@ streaming) and `prompt_token_ids` (non-streaming, and the first streamed chunk);
 entries carry `token_id`; `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty` and
 `min_tokens` are accepted as in vLLM (beside OpenAI's `presence_penalty`, `frequency_penalty` and
 `logit_bias`), and so is `chat_template_kwargs` on chat requests (template arguments such as
-`enable_thinking`).
+`enable_thinking`). `prompt_logprobs`: K (0-MAX_LOGPROBS) returns, as vLLM does, a list with an entry per
+prompt token (null for the first): {"token id": {"logprob", "rank", "decoded_token"}} for the prompt
+token and the K most likely ids there, in the choice (completions) or the response object (chat).
+`echo` (completions only): the prompt's text before the answer's, and with `logprobs` K the prompt's
+tokens first in the choice's logprobs (the first with a null logprob), as OpenAI's legacy API did.
 `temperature` defaults to 0 (greedy), and sampling with temperature > 0 needs a `seed`.
 """
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ..sampling import SamplingParams, processor_params
 MAX_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 # Accepted only at their neutral value, so a client relying on them hears about it.
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "suffix": ""}
+NEUTRAL_VALUES = {"n": 1, "best_of": 1, "suffix": ""}
 
 
 class ApiError(Exception):
@@ -60,6 +64,8 @@ class GenerationRequest:
     include_usage: bool
     logprobs: int | None       # None: not requested; else how many alternatives per token
     cache_salt: str | None = None  # vLLM's: shares cached KV blocks only with requests of the same salt
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: None, not asked for (echo may still score)
+    echo: str | None = None    # completions with echo: the prompt's text, sent before the answer's
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -137,6 +143,17 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return count
 
 
+def _echo(kind: str, body: dict, model: Model, prompt_ids: list[int]) -> str | None:
+    """The prompt text a completions request with `echo` gets back first; None without echo."""
+    if not _typed(body, "echo", (bool,), False, "a boolean"):
+        return None
+    if kind == "chat":
+        raise ApiError(400, "echo: only on /v1/completions (a chat answer does not repeat its messages)",
+                       param="echo", code="unsupported_value")
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+
 def parse_request(kind: str, body, model: Model, served_name: str, context_tokens: int) -> GenerationRequest:
     """Validate one request body. `context_tokens` is the most tokens one request may hold
     (max_model_len, and the KV pool); it also bounds a chat request's default max_tokens."""
@@ -156,6 +173,12 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
     stream = _typed(body, "stream", (bool,), False, "a boolean")
     stream_options = _typed(body, "stream_options", (dict,), {}, "an object")
     logprobs = _logprobs(kind, body)
+    echo = _echo(kind, body, model, prompt_ids)
+    prompt_logprobs = _typed(body, "prompt_logprobs", (int,), None, "an integer")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs: must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}",
+                       param="prompt_logprobs")
+    scored = [k for k in (prompt_logprobs, logprobs if echo is not None else None) if k is not None]
     try:
         params = SamplingParams(
             max_tokens=_typed(body, max_tokens_key, (int,), default_max, "an integer"),
@@ -167,6 +190,7 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
             stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
             ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
             logprobs=0 if logprobs is None else max(logprobs, 1),  # >= 1: the greedy token's own logprob
+            prompt_logprobs=max(scored) if scored else None,  # echo with logprobs scores the prompt it repeats
             **processor_params(body))
         params.check_vocabulary(model.config.vocab_size)
     except RefengineError as e:
@@ -181,4 +205,4 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
                        code="invalid_value")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, stream,
-                             bool(stream_options.get("include_usage")), logprobs, cache_salt)
+                             bool(stream_options.get("include_usage")), logprobs, cache_salt, prompt_logprobs, echo)

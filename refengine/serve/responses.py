@@ -13,29 +13,36 @@ class ResponseBuilder:
         self.chat = request.kind == "chat"
         self._text_offset = 0  # completions logprobs report each token's offset in the text
 
-    def response(self, tokens: list[Generated], finish_reason: str, cached: int | None = None) -> dict:
-        """`cached`: prompt tokens found in the prefix cache (None: the server caches none)."""
+    def response(self, tokens: list[Generated], finish_reason: str, cached: int | None = None,
+                 scored: list | None = None) -> dict:
+        """`cached`: prompt tokens found in the prefix cache (None: the server caches none). `scored`: the
+        request's prompt logprobs (engine TokenEvent.prompt_logprobs), where it was scored."""
         text = "".join(t.text for t in tokens)
         choice = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice.update(self._common(tokens, finish_reason))
+            choice["text"] = (self.request.echo or "") + text
+        choice.update(self._common(tokens, finish_reason, scored))
         choice["prompt_token_ids"] = self.request.prompt_ids
-        return {**self._header(), "choices": [choice], "usage": self._usage(len(tokens), cached)}
+        return self._with_prompt_logprobs({**self._header(), "choices": [choice],
+                                           "usage": self._usage(len(tokens), cached)}, scored)
 
-    def chunk(self, tokens: list[Generated], finish_reason: str | None, first: bool) -> dict:
+    def chunk(self, tokens: list[Generated], finish_reason: str | None, first: bool,
+              scored: list | None = None) -> dict:
+        """One SSE chunk; the first carries the prompt's ids, its echo and its prompt logprobs (`scored`)."""
         text = "".join(t.text for t in tokens)
         choice = {"index": 0}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice["text"] = text
-        choice.update(self._common(tokens, finish_reason))
+            choice["text"] = ((self.request.echo or "") if first else "") + text
+        choice.update(self._common(tokens, finish_reason, scored if first else None))
+        obj = {**self._header(chunk=True), "choices": [choice]}
         if first:
             choice["prompt_token_ids"] = self.request.prompt_ids
-        return {**self._header(chunk=True), "choices": [choice]}
+            obj = self._with_prompt_logprobs(obj, scored)
+        return obj
 
     def usage_chunk(self, num_generated: int, cached: int | None = None) -> dict:
         return {**self._header(chunk=True), "choices": [], "usage": self._usage(num_generated, cached)}
@@ -50,25 +57,50 @@ class ResponseBuilder:
         usage = {"prompt_tokens": prompt, "completion_tokens": num_generated, "total_tokens": prompt + num_generated}
         return usage if cached is None else {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _common(self, tokens: list[Generated], finish_reason: str | None) -> dict:
-        return {"logprobs": self._logprobs(tokens), "finish_reason": finish_reason,
+    def _common(self, tokens: list[Generated], finish_reason: str | None, scored: list | None = None) -> dict:
+        return {"logprobs": self._logprobs(tokens, scored), "finish_reason": finish_reason,
                 "token_ids": [t.token_id for t in tokens]}
+
+    def _with_prompt_logprobs(self, obj: dict, scored: list | None) -> dict:
+        """vLLM's prompt_logprobs: in the choice for completions, in the response object for chat."""
+        k = self.request.prompt_logprobs
+        if k is None or scored is None:
+            return obj
+        entries: list[dict | None] = [None]
+        for p in scored:
+            entry = {str(p.token_id): self._scored(p.token_id, p.logprob, p.rank)}
+            for rank, (token, logprob) in enumerate(p.top_logprobs[:k], start=1):
+                entry.setdefault(str(token), self._scored(token, logprob, rank))
+            entries.append(entry)
+        (obj if self.chat else obj["choices"][0])["prompt_logprobs"] = entries
+        return obj
+
+    def _scored(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self._piece(token_id)}
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, tokens: list[Generated]) -> dict | None:
+    def _logprobs(self, tokens: list[Generated], scored: list | None = None) -> dict | None:
+        """With echo and `scored` (the first chunk, or a whole answer), the prompt's tokens come first: the
+        first with no logprob (nothing comes before it), the others with theirs."""
         if self.request.logprobs is None:
             return None
         if self.chat:
             return {"content": [self._chat_entry(t.token_id, t.logprob, t.top_logprobs) for t in tokens]}
-        pieces = [self._piece(t.token_id) for t in tokens]
+        ids, chosen, top = [t.token_id for t in tokens], [t.logprob for t in tokens], [t.top_logprobs for t in tokens]
+        if self.request.echo is not None and scored is not None:
+            k = self.request.logprobs
+            ids = self.request.prompt_ids + ids
+            chosen = [None] + [p.logprob for p in scored] + chosen
+            top = [None] + [p.top_logprobs[:k] for p in scored] + top
+        pieces = [self._piece(i) for i in ids]
         offsets = []
         for piece in pieces:
             offsets.append(self._text_offset)
             self._text_offset += len(piece)
-        return {"tokens": pieces, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{self._piece(i): lp for i, lp in t.top_logprobs} for t in tokens],
+        return {"tokens": pieces, "token_logprobs": chosen,
+                "top_logprobs": [None if t is None else {self._piece(i): lp for i, lp in t} for t in top],
                 "text_offset": offsets}
 
     def _chat_entry(self, token_id: int, logprob: float | None, alternatives=()) -> dict:

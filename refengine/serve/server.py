@@ -10,7 +10,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
-from ..engine import EngineConfig, LLMEngine
+from ..engine import EngineConfig, Fault, LLMEngine
 from ..model import Model
 from .engine_thread import EngineThread
 from .handler import MAX_BODY_BYTES, Handler
@@ -34,6 +34,7 @@ class OpenAIServer(ThreadingHTTPServer):
         self.context_tokens = min(resolved.max_model_len, resolved.num_blocks * resolved.block_size)
         self.created = int(time.time())
         self.fingerprint = model.fingerprint
+        self.echoes = self.engine.config.injected is not Fault.ECHO_IGNORED  # the fault's code point: Handler._generate
         super().__init__((host, port), Handler)
         self.engine_thread.start()
 

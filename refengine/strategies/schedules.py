@@ -7,6 +7,9 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
 - sampling: some requests sample with a seed (see sampling); the others are greedy;
 - logprobs: some requests ask for logprobs (`"logprobs": K`, K of LOGPROB_COUNTS alternatives per
   step, 0 = the chosen token's only); the others ask for none, which is what the shrinker goes to;
+- prompt logprobs: a request in three asks for them (`"prompt_logprobs": K`, K of PROMPT_LOGPROB_COUNTS),
+  drawn with how they leave (a pick by request number would move to another request as the shrinker
+  deletes the ones before it);
 - the pool always holds the largest request (each request fits alone, so each is admissible);
 - logits processors: about three requests in four ask for penalties, a logit bias or min_tokens
   (see processors), drawn with how they leave.
@@ -18,7 +21,7 @@ Two shapes, half of the schedules each:
   preempt, and resume by recomputing prompt and generated tokens;
 - staggered: arrivals 0-MAX_ARRIVAL, aborts, a pool from the largest request alone up to three
   times it (tight pools preempt when requests happen to overlap).
-A request is exactly four draws (prompt length, prompt bytes, arrival, leave with its processors) and sampling and
+A request is exactly four draws (prompt length, prompt bytes, arrival, leave with its processors and prompt logprobs) and sampling and
 logprobs are drawn apart from it (each a list of (request, value) picks, after the requests): Hypothesis's shrinker deletes at most five consecutive choices at a time (a list
 element plus the list's "one more?" flag), so this is what lets it delete whole requests. A shrunk
 schedule is one greedy request or the few its failure needs, on the roomiest engine settings that
@@ -41,6 +44,7 @@ MAX_ARRIVAL = 12
 ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
 LOGPROB_COUNTS = (0, 1, 2, 5, 20)  # alternatives per step; 20 is the server's most (OpenAI's limit)
 LOGPROBS = st.sampled_from(LOGPROB_COUNTS)
+PROMPT_LOGPROB_COUNTS = (None, None, None, None, 0, 5)  # None: not asked for
 SHAPES = st.sampled_from([True, False])  # burst first
 HEADROOM = st.integers(1, MAX_TOKENS // 2)  # tokens each burst resident generates before the pool runs out
 
@@ -50,31 +54,36 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 @functools.cache
-def leaves(burst: bool, may_abort: bool) -> st.SearchStrategy[tuple[dict, dict | None]]:
+def leaves(burst: bool, may_abort: bool, scored: bool) -> st.SearchStrategy[tuple[dict, dict | None, int | None]]:
     """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS);
-    with which of processors.KINDS it asks for, in the same choice (each leave first without processors)."""
+    with which of processors.KINDS it asks for and its prompt logprobs, in the same choice (each leave
+    first without processors, each of those first without prompt logprobs; none where not `scored`)."""
     by_length = [{"max_tokens": n} for n in range(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS + 1)]
     by_abort = [{"max_tokens": MAX_TOKENS, "abort_delay": d} for d in ABORT_DELAYS] if may_abort else []
-    return st.sampled_from([(leave, kind) for kind in KINDS for leave in by_length + by_abort])
+    counts = PROMPT_LOGPROB_COUNTS if scored else (None,)
+    return st.sampled_from([(leave, kind, count) for count in counts for kind in KINDS
+                            for leave in by_length + by_abort])
 
 
 @functools.cache  # one strategy per argument tuple (prompts.py says why)
 @st.composite
 def requests(draw, vocab_size: int, block_size: int, token_budget: int, burst: bool = False,
-             may_abort: bool = True) -> dict:
+             may_abort: bool = True, scored: bool = True) -> dict:
     request = {"prompt_ids": draw(prompts(vocab_size, block_size, token_budget)),
                "arrival_step": draw(st.integers(0, 1 if burst else MAX_ARRIVAL))}
-    leave, kind = draw(leaves(burst, may_abort))
+    leave, kind, count = draw(leaves(burst, may_abort, scored))
     leave = dict(leave)
     if "abort_delay" in leave:
         request["abort_step"] = request["arrival_step"] + leave.pop("abort_delay")
+    if count is not None:
+        request["prompt_logprobs"] = count
     return {**request, **leave, **processor_fields(kind, request["prompt_ids"], leave["max_tokens"])}
 
 
 @functools.cache
 def request_lists(vocab_size: int, block_size: int, token_budget: int, burst: bool, may_abort: bool,
-                  max_requests: int) -> st.SearchStrategy[list[dict]]:
-    request = requests(vocab_size, block_size, token_budget, burst, may_abort)
+                  max_requests: int, scored: bool = True) -> st.SearchStrategy[list[dict]]:
+    request = requests(vocab_size, block_size, token_budget, burst, may_abort, scored)
     return st.lists(request, min_size=min(2, max_requests) if burst else 1, max_size=max_requests)
 
 
@@ -103,14 +112,15 @@ def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
 @functools.cache  # the properties' flatmaps ask for it per draw
 @st.composite
 def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int = MAX_REQUESTS,
-              allow_seeded: bool | None = None, allow_abort: bool = True) -> dict:
-    """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws."""
+              allow_seeded: bool | None = None, allow_abort: bool = True, prompt_logprobs: bool = True) -> dict:
+    """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws.
+    `prompt_logprobs` False: no request asks for them."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
     burst = draw(SHAPES)
     engine = draw(engine_settings(mode, pressure=burst))
     reqs = draw(request_lists(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
-                              allow_abort and not burst, max_requests))
+                              allow_abort and not burst, max_requests, prompt_logprobs))
     if allow_seeded:
         for n, params in draw(picks(seeded, max_requests)):
             reqs[n % len(reqs)]["sampling"] = params

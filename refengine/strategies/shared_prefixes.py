@@ -11,9 +11,14 @@ suite.harness.resolve_continuations). Each request is one more draw (which earli
 simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and where; or a
 continuation, half the time, under the earlier one's salt, whose answer half the time ends at a block
 edge, without a stop id forced or a bias: where a block registered too early shows), and then its
-`cache_salt`: none (the simplest) or one of SALTS, so requests with equal prefixes and different salts
-meet (they must not share a block). Last, half of the schedules get a pool that holds their largest
+`cache_salt`: none (the simplest) or one of SALTS, so
+requests with equal prefixes and different salts meet (they must not share a block). Last, half of the schedules get a pool that holds their largest
 request and no more, in place of the fitted one: every block a later request needs evicts a cached one.
+
+Prompt logprobs: a request still to score its prompt takes no hit (engine/prompt_logprobs.py), so they
+would keep requests from meeting the cache. The plain schedules ask for none; with `scoring`, every
+request that takes an earlier one's prefix asks for them, with one alternative (what must then hold:
+each scores its whole prompt, whatever the cache holds).
 """
 from __future__ import annotations
 
@@ -51,11 +56,13 @@ def later(request: dict, step: int) -> None:
 
 @functools.cache  # one strategy per mode (prompts.py says why)
 @st.composite
-def shared_prefix_schedules(draw, mode: str = "invariant") -> dict:
-    schedule = draw(schedules(VOCAB_SIZE, mode))
+def shared_prefix_schedules(draw, mode: str = "invariant", scoring: bool = False) -> dict:
+    schedule = draw(schedules(VOCAB_SIZE, mode, prompt_logprobs=False))
     block, reqs = schedule["engine"]["block_size"], schedule["requests"]
     for n in range(len(reqs)):
         source = draw(st.integers(-1, n - 1))
+        if source >= 0 and scoring:
+            reqs[n]["prompt_logprobs"] = 1
         if source >= 0:
             theirs, mine = reqs[source]["prompt_ids"], reqs[n]["prompt_ids"]
             if draw(st.booleans()):  # the same client's next turn: its conversation, under its salt

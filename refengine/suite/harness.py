@@ -33,7 +33,7 @@ from ..strategies.schedules import blocks_for
 REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
 MEMO_SIZE = 2048
 COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill",
-            "prefill before a decode", "partial prefill not last", "logprobs requested")
+            "prefill before a decode", "partial prefill not last", "logprobs requested", "prompt logprobs requested")
 
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
@@ -98,6 +98,8 @@ def coverage(schedule: dict, trace: list[dict]) -> set[str]:
     """The batching situations (COVERAGE) a run met."""
     prompt_len = {r["id"]: len(r["prompt_ids"]) for r in schedule["requests"]}
     seen = {"logprobs requested"} if any("logprobs" in r for r in schedule["requests"]) else set()
+    if any("prompt_logprobs" in r for r in schedule["requests"]):
+        seen.add("prompt logprobs requested")
     for entry in trace:
         phases = {c["phase"] for c in entry["scheduled"]}
         if len(entry["scheduled"]) > 1:

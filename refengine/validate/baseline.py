@@ -127,9 +127,32 @@ def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: fl
 
 def processed(case) -> SamplingParams | None:
     """A processed case's logits processors (validate.surface.ProcessedCase: its `fields`) as the
-    reference applies them; None for a plain case."""
-    fields = getattr(case, "fields", None)
-    return None if fields is None else SamplingParams(max_tokens=case.max_tokens, **processor_params(fields))
+    reference applies them; None for a case without any."""
+    processors = processor_params(getattr(case, "fields", None) or {})
+    return SamplingParams(max_tokens=case.max_tokens, **processors) if processors else None
+
+
+def prompt_logprobs_difference(alone: Completion, got: Completion, tolerance: float) -> str | None:
+    """None where a loaded answer's prompt logprobs are its alone answer's: the same positions, the same
+    ids reported at each (where `tolerance` is 0; else at least those both report), each logprob within
+    2 x tolerance (a logprob is its logit minus the row's logsumexp: each moves by the logit bound);
+    else what differs."""
+    want, have = alone.prompt_logprobs, got.prompt_logprobs
+    if (want is None) != (have is None):
+        return f"prompt logprobs reported {'alone only' if have is None else 'under load only'}"
+    if want is None:
+        return None
+    if len(want) != len(have):
+        return f"{len(have)} prompt logprob entries, alone {len(want)}"
+    bound = 2 * tolerance
+    for position, (w, h) in enumerate(zip(want, have)):
+        if (w is None) != (h is None) or (w is not None and tolerance == 0 and set(w) != set(h)):
+            return f"prompt position {position}: ids {None if h is None else sorted(h)}, alone {None if w is None else sorted(w)}"
+        for token in set(w or ()) & set(h or ()):
+            if not abs(h[token] - w[token]) <= bound:
+                return (f"prompt position {position}, token {token}: logprob {h[token]!r}, alone {w[token]!r}, "
+                        f"|difference| {abs(h[token] - w[token]):.3g} > bound {bound:.3g}")
+    return None
 
 
 class SerialBaseline:
@@ -156,6 +179,10 @@ class SerialBaseline:
         if verdict.kind == "match" and completion.finish_reason != alone.finish_reason:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"alone {alone.finish_reason!r}")
+        scored = prompt_logprobs_difference(alone, completion, self.tolerance) if not completion.cancelled else None
+        if scored:
+            return record_fields(Verdict(p.case.id, "diverged", "prompt_logprobs", reason=scored,
+                                         tolerance=self.tolerance))
         if verdict.kind == "diverged" and verdict.margin is None and self.margins is not None:
             measured = self.measure(p.case, alone, completion, verdict)
             return record_fields(measured, "model")

@@ -22,6 +22,7 @@ An API whose answers carry no ids is judged by text.
 """
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 
@@ -75,18 +76,19 @@ class Dialect:
         return body
 
     def refused(self, api: str, error: ServerError, sent: dict, base: dict) -> bool:
-        """Whether `error` refuses a field validate added (and stop adding it)."""
+        """Whether `error` refuses a field validate added (and stop adding it): it names the field as a
+        word of its own (a refusal of `prompt_logprobs` is not one of `logprobs`)."""
         if error.status not in REFUSAL_STATUSES:
             return False
         message = str(error)
         with self._lock:
-            if RETURN_TOKEN_IDS in sent and RETURN_TOKEN_IDS not in base and RETURN_TOKEN_IDS in message:
+            if RETURN_TOKEN_IDS in sent and RETURN_TOKEN_IDS not in base and names(message, RETURN_TOKEN_IDS):
                 self.return_token_ids_refused = True
                 return True
-            if CACHE_SALT in sent and CACHE_SALT not in base and CACHE_SALT in message:
+            if CACHE_SALT in sent and CACHE_SALT not in base and names(message, CACHE_SALT):
                 self.cache_salt_refused = True
                 return True
-            if api not in self.logprobs_refused and any(k in message for k in LOGPROB_KEYS
+            if api not in self.logprobs_refused and any(names(message, k) for k in LOGPROB_KEYS
                                                          if k in sent and k not in base):
                 self.logprobs_refused.add(api)
                 return True
@@ -114,6 +116,11 @@ class Dialect:
         if self.probe_errors:
             out["probe_errors"] = self.probe_errors
         return out
+
+
+def names(message: str, field: str) -> bool:
+    """Whether `message` names `field` as a word of its own, not inside a longer field name."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(field)}(?![A-Za-z0-9_])", message) is not None
 
 
 def send(endpoint: Endpoint, api: str, base: dict, cancel_after: int | None, dialect: Dialect,

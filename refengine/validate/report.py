@@ -33,6 +33,8 @@ def _detail(r: dict) -> str:
     if r["verdict"] == "match":
         return f"{r['tokens'] if r['tokens'] is not None else '?'} tokens, by {r['compared_by']}"
     if r["verdict"] in ("explained", "diverged"):
+        if r["compared_by"] == "prompt_logprobs":
+            return f"prompt logprobs: {r.get('note', '')}"
         if r["step"] is None:
             return f"the texts part, by {r['compared_by']}"
         if r["margin"] is not None:

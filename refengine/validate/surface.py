@@ -13,10 +13,17 @@ One probe per API, on the probe case (greedy, its own cache salt), after a plain
   of 2 (presence): the penalty lowers that token by more than it can lower any rival (by twice the
   margin: the server's own rounding cannot close that), so the answer must change there or before;
 - repetition_penalty: its effect needs the logits' signs, which no logprob shows: only refused or
-  accepted is learned.
+  accepted is learned;
+- prompt_logprobs 1 (vLLM's extension): the answer must carry an entry per prompt token, null for the
+  first, each later one naming that prompt token (the prompt's ids from the answer);
+- echo (completions only; OpenAI's): the answer's text must be the plain answer's with the prompt's
+  text before it.
 Each parameter's verdict: "applied" (changed where it must), "ignored" (the same answer where it must
-change: a finding), "refused" (4xx naming it), "accepted" (answered, and the plain answer has no step
-where the parameter must act: not probed further), "error" (any other failure).
+change: a finding), "wrong" (an answer that is neither: prompt logprobs that do not line up with the
+prompt, an echo that is not the prompt: a finding), "unsupported" (an extension the server does not
+know and answers without: a note, as OpenAI servers ignore unknown fields), "refused" (4xx naming it),
+"accepted" (answered, and the plain answer has no step where the parameter must act: not probed
+further), "error" (any other failure).
 
 And the variants of a case sent with processors (ProcessedCase, variants()): what the HTTP property
 `test_answers_with_logits_processors_equal_the_servers_own_alone_answers` sends under load, so a
@@ -29,9 +36,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .client import Completion, Endpoint, ServerError
-from .dialect import REFUSAL_STATUSES, Dialect, send
+from .dialect import REFUSAL_STATUSES, Dialect, names, send
 
 PARAMETERS = ("logit_bias", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty")
+REPORTS = {"prompt_logprobs": ("completions", "chat"), "echo": ("completions",)}  # parameter -> the APIs probed
+FINDINGS = ("ignored", "wrong")
 PENALTY = 2.0  # the largest OpenAI allows
 
 
@@ -63,16 +72,39 @@ def _changed(plain: Completion, got: Completion, through: int | None = None) -> 
     return got.text != plain.text
 
 
+def _reported(name: str, plain: Completion, got: Completion) -> dict:
+    """The verdict on a REPORTS parameter from the answer that asked for it."""
+    if name == "echo":
+        if got.text == plain.text:
+            return {"verdict": "ignored", "why": "the answer's text without the prompt before it"}
+        if got.text.endswith(plain.text):
+            return {"verdict": "applied", "why": f"the prompt's {len(got.text) - len(plain.text)} characters first"}
+        return {"verdict": "wrong", "why": f"the text {got.text[:80]!r} does not end in the plain answer's"}
+    entries, ids = got.prompt_logprobs, got.prompt_token_ids or plain.prompt_token_ids
+    if entries is None:
+        return {"verdict": "unsupported", "why": "the answer carries no prompt_logprobs"}
+    if not entries or entries[0] is not None or any(e is None for e in entries[1:]):
+        return {"verdict": "wrong", "why": "an entry per prompt token, null for the first only, is not what came"}
+    if ids is not None and (len(entries) != len(ids) or any(ids[i] not in e for i, e in enumerate(entries) if i)):
+        wrong = len(entries) if len(entries) != len(ids) else \
+            next(i for i, e in enumerate(entries) if i and ids[i] not in e)
+        return {"verdict": "wrong", "why": f"{len(entries)} entries for a prompt of {len(ids)} tokens; "
+                                           f"entry {wrong} does not name the prompt token there"}
+    named = "" if ids is None else ", each naming its prompt token"
+    return {"verdict": "applied", "why": f"{len(entries)} entries{named}"}
+
+
 def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) -> dict[str, dict]:
-    """Per parameter of PARAMETERS, {"verdict", "why"} for the server's `api` on the case `body` (a
-    whole greedy request)."""
+    """Per parameter of PARAMETERS and REPORTS (on the APIs it applies to), {"verdict", "why"} for the
+    server's `api` on the case `body` (a whole greedy request)."""
     salt = dialect.cache_salt("cold", f"surface-{api}")
-    dialect.surface_requests += 1 + len(PARAMETERS)
+    reports = [name for name, apis in REPORTS.items() if api in apis]
+    dialect.surface_requests += 1 + len(PARAMETERS) + len(reports)
     try:
         plain = send(endpoint, api, body, None, dialect, salt=salt)
     except (ServerError, OSError) as e:
         return {name: {"verdict": "error", "why": f"the plain probe request failed: {str(e)[:200]}"}
-                for name in PARAMETERS}
+                for name in (*PARAMETERS, *reports)}
     ids = plain.token_ids
     tests: dict[str, tuple[dict, int | None, str]] = {}  # parameter -> (fields, step it must change by, why)
     if ids:
@@ -88,6 +120,7 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
             else "no step of its plain answer where the penalty must change it (or no logprobs)"
         tests[name] = ({name: PENALTY}, step, why)
     tests["repetition_penalty"] = ({"repetition_penalty": 1.5}, None, "its effect needs the logits' signs")
+    tests |= {name: ({name: 1 if name == "prompt_logprobs" else True}, None, "") for name in reports}
     probed = {"logit_bias", "frequency_penalty", "presence_penalty"}
     out = {}
     for name, (fields, step, why) in tests.items():
@@ -95,13 +128,15 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
         try:
             got = send(endpoint, api, {**body, **fields}, None, dialect, salt=salt)
         except ServerError as e:
-            refused = e.status in REFUSAL_STATUSES and name in str(e)
+            refused = e.status in REFUSAL_STATUSES and names(str(e), name)
             out[name] = {"verdict": "refused" if refused else "error", "why": str(e)[:200]}
             continue
         except OSError as e:
             out[name] = {"verdict": "error", "why": str(e) or type(e).__name__}
             continue
-        if not must:
+        if name in REPORTS:
+            out[name] = _reported(name, plain, got)
+        elif not must:
             out[name] = {"verdict": "accepted", "why": why}
         elif _changed(plain, got, step):
             out[name] = {"verdict": "applied", "why": why}
@@ -119,21 +154,23 @@ def surface_notes(surface: dict | None) -> list[str]:
         for name, v in verdicts.items():
             if v["verdict"] == "ignored":
                 notes.append(f"FINDING: {api}: the server accepts {name} and ignores it ({v['why']})")
-            elif v["verdict"] in ("refused", "error"):
+            elif v["verdict"] == "wrong":
+                notes.append(f"FINDING: {api}: the server answers {name} wrongly ({v['why']})")
+            elif v["verdict"] in ("refused", "error", "unsupported"):
                 notes.append(f"note: {api}: {name} {v['verdict']} ({v['why']})")
     return notes
 
 
 def ignored(surface: dict | None) -> list[str]:
-    """`api: parameter` for every parameter a server ignores."""
+    """`api: parameter` for every parameter a server ignores or answers wrongly (FINDINGS)."""
     return [f"{api}: {name}" for api, verdicts in (surface or {}).items()
-            for name, v in verdicts.items() if v["verdict"] == "ignored"]
+            for name, v in verdicts.items() if v["verdict"] in FINDINGS]
 
 
 @dataclass(frozen=True)
 class ProcessedCase:
-    """A case sent with logits processors: no golden answer has them, so it is judged only against the
-    same server's answer to it alone (the serial baseline). Everything but its id is its base case's;
+    """A case sent with extra fields (logits processors, prompt logprobs): no golden answer has them, so it
+    is judged only against the same server's answer to it alone (the serial baseline). Everything but its id is its base case's;
     its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
     base: object  # check.golden.GoldenCase or PromptCase
     variant: str
@@ -154,11 +191,13 @@ class ProcessedCase:
 
 
 def variants(case) -> list[ProcessedCase]:
-    """The processed variants of `case`: "penalties" (frequency, presence and repetition penalties), and
+    """The processed variants of `case`: "penalties" (frequency, presence and repetition penalties),
+    "prompt-logprobs" (vLLM's prompt_logprobs, 2 alternatives: the serial baseline compares them too), and
     where its golden answer is known, "bias" (-100 on the golden answer's first token, and min_tokens 2:
     a different answer that must still be two tokens long at least)."""
     out = [ProcessedCase(case, "penalties", json.dumps({"frequency_penalty": 1.5, "presence_penalty": 0.5,
-                                                        "repetition_penalty": 1.3}))]
+                                                        "repetition_penalty": 1.3})),
+           ProcessedCase(case, "prompt-logprobs", json.dumps({"prompt_logprobs": 2}))]
     answer = getattr(case, "token_ids", None)
     if answer:
         out.append(ProcessedCase(case, "bias", json.dumps({"logit_bias": {str(answer[0]): -100.0},

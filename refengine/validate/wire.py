@@ -9,6 +9,8 @@ Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the o
 `prompt_token_ids` (vLLM chat).
 Logprobs, per generated token: chat's `logprobs.content[].logprob` with `.top_logprobs[].logprob`,
 or completions' `logprobs.token_logprobs[]` with `logprobs.top_logprobs[]` (token -> logprob).
+Prompt logprobs (vLLM's `prompt_logprobs`): `choices[i].prompt_logprobs` (completions) or the object's
+`prompt_logprobs` (chat): per prompt token null (the first) or {"token id": {"logprob", ...}}.
 Prompt tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens` (OpenAI;
 vLLM, refengine) or `timings.cache_n` (llama.cpp).
 """
@@ -45,6 +47,9 @@ class Completion:
     # answer's end was among them (client._unread); None: not a hang-up.
     unread: tuple[int, bool] | None = None
     cached_tokens: int | None = None    # prompt tokens the server says it took from its prefix cache; None: not said
+    # Per prompt token, id -> logprob for the token and the alternatives reported there (None for the
+    # first token); None: not reported.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def _ints(value) -> list[int] | None:
@@ -101,6 +106,26 @@ def token_logprobs(choice: dict) -> list[TokenLogprob] | None:
     return [TokenLogprob(_number(lp), _best_first(_dict(alternatives).values())) for lp, alternatives in zip(chosen, top)]
 
 
+def prompt_logprobs(choice: dict, obj: dict) -> list[dict[int, float] | None] | None:
+    """vLLM's prompt_logprobs of a choice (or its response object); None where it has none or they do
+    not parse (an entry that is neither null nor an object of id -> {"logprob": number})."""
+    entries = choice.get("prompt_logprobs", obj.get("prompt_logprobs"))
+    if not isinstance(entries, list):
+        return None
+    out: list[dict[int, float] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, dict):
+            return None
+        values = {int(k): _number(_dict(v).get("logprob")) for k, v in entry.items() if str(k).isdigit()}
+        if len(values) != len(entry) or None in values.values():
+            return None
+        out.append(values)
+    return out
+
+
 def generated_ids(choice: dict, obj: dict) -> tuple[list[int] | None, str | None]:
     ids = _ints(choice.get("token_ids"))
     if ids is not None:
@@ -152,7 +177,8 @@ def whole(data: dict) -> Completion:
     finish = choice.get("finish_reason")
     return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
                       cancelled=False, ids_from=ids_from if ids is not None else None, note=note,
-                      logprobs=counted(token_logprobs(choice), ids), cached_tokens=cached_tokens(data))
+                      logprobs=counted(token_logprobs(choice), ids), cached_tokens=cached_tokens(data),
+                      prompt_logprobs=prompt_logprobs(choice, data))
 
 
 def counted(logprobs: list[TokenLogprob] | None, ids: list[int] | None) -> list[TokenLogprob] | None:
@@ -170,6 +196,7 @@ class Stream:
         self.ids_from: str | None = None
         self.text_without_ids = False
         self.prompt_ids: list[int] | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.finish_reason: str | None = None
         self.usage: int | None = None
         self.cached_tokens: int | None = None
@@ -194,6 +221,8 @@ class Stream:
                 self.text_without_ids = True
             if self.prompt_ids is None:
                 self.prompt_ids = prompt_ids(choice, chunk)
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = prompt_logprobs(choice, chunk)
             finish = choice.get("finish_reason")
             self.finish_reason = finish if isinstance(finish, str) and finish else self.finish_reason
             self.chunks += bool(text or ids)
@@ -212,4 +241,4 @@ class Stream:
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
                           done_marker=done_marker, note=note, logprobs=logprobs, unread=unread,
-                          cached_tokens=self.cached_tokens)
+                          cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs)
