@@ -29,6 +29,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it, with this
     # many top alternatives (0: its own only); None: not asked for (reference.prompt_logprobs defines them)
     prompt_logprobs: int | None = None
+    # OpenAI's n: this many answers to the prompt, each its own sequence (a child); child k samples with
+    # seed + k (vLLM's derivation), so child k's answer is the request's with n=1 and that seed
+    n: int = 1
     # Logits processors (vLLM's semantics; the float64 definition is reference.adjusted_logits, the
     # engine's engine/penalties.py: they share no code): stop ids masked for the first min_tokens
     # tokens, then logit_bias added, then the repetition penalty over prompt and output tokens, then
@@ -51,6 +54,8 @@ class SamplingParams:
                                                      and not isinstance(self.prompt_logprobs, bool)
                                                      and self.prompt_logprobs >= 0):
             raise RefengineError(f"prompt_logprobs: must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise RefengineError(f"n: must be a positive integer, got {self.n!r}")
         if not 0 < self.top_p <= 1:
             raise RefengineError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.temperature > 0 and self.seed is None:

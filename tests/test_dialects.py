@@ -2,7 +2,7 @@
 server (stdlib http.server on 127.0.0.1, in a thread) answers from the shipped golden file the way
 vLLM, llama.cpp and HF `transformers serve` do — ids in other places or none at all, no [DONE], a
 trailing incomplete character held back — and validate must judge every answer, not the dialect. A
-server that answers from a golden file cannot apply logits processors, prompt logprobs or echo: these
+server that answers from a golden file cannot apply logits processors, prompt logprobs, echo or n: these
 refuse them by name (HF's refuses every field it does not know), which the surface probe records as
 refused."""
 from __future__ import annotations
@@ -93,7 +93,7 @@ def dialect_server(golden, dialect: str):
                 if unexpected or unused:
                     what = "Unexpected keys" if unexpected else "Unsupported fields"
                     return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
-            processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo"})
+            processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo", "n"})
             if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
                 return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
             answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"))

@@ -25,6 +25,7 @@ from refengine.suite.harness import (
     PropertyFailure,
     any_mode_schedules,
     check,
+    forked_schedules,
     greedy_schedules,
     invariant_schedules,
     other_budgets,
@@ -63,6 +64,9 @@ PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property wi
     "prefix-caching-is-exact": (
         st.tuples(tiny_model_names(), shared_prefix_schedules("invariant")),
         lambda example, fault: check("prefix-caching-is-exact", *example, fault=fault)),
+    "n-answers-are-exact": (
+        st.tuples(tiny_model_names(), forked_schedules),
+        lambda example, fault: check("n-answers-are-exact", *example, fault=fault)),
     "prefix-caching-scores-whole-prompts": (
         st.tuples(tiny_model_names(), shared_prefix_schedules("invariant", scoring=True)),
         lambda example, fault: check("prefix-caching-scores-whole-prompts", *example, fault=fault)),
@@ -104,6 +108,11 @@ CAUGHT_BY = {
     "prompt-logprobs-from-cached-blocks": "prefix-caching-scores-whole-prompts",
     "prompt-logprobs-rows-from-step-start": "invariant-mode-is-exact",
     "echo-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
+    "n-children-share-seed": "n-answers-are-exact",
+    "forked-partial-block-shared": "n-answers-are-exact",
+    "fork-copy-skipped": "n-answers-are-exact",
+    "forked-blocks-not-refcounted": "n-answers-are-exact",
+    "fork-before-prefill-done": "n-answers-are-exact",
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached": "holds other KV than when it was registered",

@@ -22,7 +22,7 @@ from refengine.sampling import SamplingParams
 from refengine.serve import OpenAIServer
 from refengine.validate.margins import LocalMargins, text_divergence
 
-TEXT_ONLY_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream"}
+TEXT_ONLY_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream", "echo", "n"}  # and applied
 HIDDEN = {"token_ids", "prompt_token_ids", "logprobs"}  # what the proxy never passes back
 
 

@@ -6,8 +6,9 @@ of validate/baseline, board's abort count, validate/cache with the cached-token 
 the cache groups and salts, check/prefix_cache, refengine/sampling.py's finish, stop-cut and
 log-softmax rules, which the shipped properties hold to check/output_oracle, the oracle's min_tokens
 rules, the processed-row comparison and its noise gain, validate/surface's probe, the prompt-logprob
-comparisons (check/comparison, validate/baseline), the reading of prompt logprobs and of a refusal's field
-name (slow: a pytest run per mutant)."""
+comparisons (check/comparison, validate/baseline), the reading of prompt logprobs, of choices and of a
+refusal's field name, and the children of an n > 1 request the judge expects (slow: a pytest run per
+mutant)."""
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ T_PENALTIES = ["tests/test_penalties.py"]
 SURFACE, T_SURFACE = "refengine/validate/surface.py", ["tests/test_validate_surface.py"]
 T_PROBE = ["tests/test_invariants_http.py", "-k", "ignores_processors"]
 COMPARISON, T_PROMPT = "refengine/check/comparison.py", ["tests/test_prompt_logprobs.py"]
+T_FORKS = ["tests/test_forks.py"]
 BASELINE, T_BASELINES = "refengine/validate/baseline.py", ["tests/test_validate_baselines.py", "-k", "prompt_logprobs"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
@@ -147,6 +149,13 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "return re.search(re.escape(field)", ["tests/test_dialects.py", "-k", "names_a_field"]),
     ("refengine/validate/wire.py", "if len(values) != len(entry) or None in values.values():", "if False:",
      T_SURFACE),
+    ("refengine/validate/wire.py", "            if index != 0:  # another answer",
+     "            if False:  # another answer", T_SURFACE),
+    (SURFACE, "        if got.num_choices == N:\n", "        if got.num_choices >= N:\n", T_SURFACE),
+    (SURFACE, 'verdict = "ignored" if got.num_choices == 1 else "wrong"', 'verdict = "ignored"', T_SURFACE),
+    ("refengine/check/schedule.py", "seed=None if params.seed is None else params.seed + k))", "seed=params.seed))",
+     T_FORKS),
+    ("refengine/check/replay.py", "for child in children(r)]", "for child in children(r)[:1]]", T_FORKS),
 ]
 
 

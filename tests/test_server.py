@@ -286,6 +286,41 @@ def test_echo_repeats_the_prompt_and_scores_it_first(server, tiny_model):
     assert plain["text"] == STORY["prompt"] + expected.text and plain["logprobs"] is None
 
 
+@pytest.mark.parametrize("kind,body", [("chat", COLOUR), ("completion", {**IDS_SAMPLED, "echo": True, "logprobs": 1})],
+                         ids=["chat", "completion-echo"])
+def test_n_choices_are_the_answers_with_seed_plus_k(server, tiny_model, kind, body):
+    """Choice k, whole or streamed, is the serial engine's answer with n 1 and seed + k; usage counts
+    every choice's tokens."""
+    prompt_ids = prompt_ids_of(tiny_model, kind, body)
+    expected = [serial(tiny_model, kind, {**body, "seed": body["seed"] + k}) for k in range(3)]
+    assert len({tuple(e.token_ids) for e in expected}) == 3  # three different draws: a shared seed would show
+    for stream in (False, True):
+        code, raw = call(server.url, "POST", PATHS[kind], {**body, "n": 3, "stream": stream,
+                                                           "stream_options": {"include_usage": True}})
+        assert code == 200, raw
+        if stream:
+            chunks = parse_sse(raw)
+            choices = {k: [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == k]
+                       for k in range(3)}
+            assert sum(map(len, choices.values())) == len(chunks) - 1  # and the usage chunk
+            usage = chunks[-1]["usage"]
+            got = [([i for c in cs for i in c["token_ids"]],
+                    "".join(c["delta"]["content"] if kind == "chat" else c["text"] for c in cs),
+                    cs[-1]["finish_reason"]) for cs in choices.values()]
+        else:
+            response = json.loads(raw)
+            assert [c["index"] for c in response["choices"]] == [0, 1, 2]
+            usage = response["usage"]
+            got = [(c["token_ids"], c["message"]["content"] if kind == "chat" else c["text"], c["finish_reason"])
+                   for c in response["choices"]]
+        echo = body["prompt"] if kind == "completion" and isinstance(body["prompt"], str) else \
+            tiny_model.tokenizer.decode(prompt_ids, skip_special_tokens=False) if body.get("echo") else ""
+        assert got == [(e.token_ids, echo + e.text, e.finish_reason) for e in expected]
+        assert usage["completion_tokens"] == sum(len(e.token_ids) for e in expected)
+    # every answer's slot came back: the request's one, once its last answer ended (the snapshot follows the step)
+    wait_until(lambda: status_of(server)["in_flight"] == 0 and status_of(server)["slots_used"] == 0, "slots back")
+
+
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n"
                      "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
@@ -337,7 +372,9 @@ BAD_REQUESTS = {
     "template-kwargs-messages": ("/v1/chat/completions", {**CAPITAL, "chat_template_kwargs": {"messages": []}},
                                  400, "chat_template_kwargs"),
     "stop-not-strings": ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
-    "n-2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    "n-0": ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    "n-17": ("/v1/chat/completions", {**CAPITAL, "n": 17}, 400, "n"),
+    "n-text": ("/v1/completions", {"prompt": "hi", "n": "2"}, 400, "n"),
     "presence-penalty-3": ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     "frequency-penalty-text": ("/v1/completions", {"prompt": "hi", "frequency_penalty": "1"}, 400,
                                "frequency_penalty"),

@@ -38,6 +38,7 @@ for _module in ("torch", "transformers", "fastapi", "uvicorn", "openai"):  # tra
         pytest.skip(f"transformers serve needs {_module}: pip install 'transformers[serving]'", allow_module_level=True)
 
 import refengine
+from refengine.validate.surface import ignored
 
 pytestmark = [pytest.mark.parity,
               pytest.mark.slow,  # minutes on a busy 2-core machine: a server start-up, then the properties
@@ -250,28 +251,29 @@ def assert_every_request_compared(report: dict) -> None:
     assert all(r["verdict"] == "cancelled" for r in requests if r["cancelled"])
 
 
-def assert_fails_only_on_the_echo_it_ignores(done: subprocess.CompletedProcess, report: dict) -> None:
-    """validate FAILs (exit 1) on one FINDING only: the server accepts `echo` on completions and answers
-    without the prompt's text; every request is otherwise judged clean and prompt logprobs are refused by
-    name (a note)."""
+def assert_fails_only_on_the_echo_and_n_it_ignores(done: subprocess.CompletedProcess, report: dict) -> None:
+    """validate FAILs (exit 1) on the request surface only: the server accepts `echo` on completions and
+    answers without the prompt's text, and accepts `n` 2 and answers with one choice, on both APIs (three
+    FINDINGs); every request is otherwise judged clean and prompt logprobs are refused by name (a note)."""
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FINDING: completions: the server accepts echo and ignores it" in done.stdout, done.stdout
     summary, surface = report["summary"], report["surface"]
-    assert summary["verdict"] == "FAIL" and summary["surface_ignored"] == 1
+    assert sorted(ignored(surface)) == ["chat: n", "completions: echo", "completions: n"], surface
+    assert summary["verdict"] == "FAIL" and summary["surface_ignored"] == 3
     assert summary["error"] == summary["diverged"] == 0
     assert surface["completions"]["echo"]["verdict"] == "ignored"
     assert {surface[api]["prompt_logprobs"]["verdict"] for api in ("completions", "chat")} == {"refused"}
 
 
-def assert_suite_fails_only_on_the_echo_it_ignores(suite: subprocess.CompletedProcess) -> None:
+def assert_suite_fails_only_on_the_echo_and_n_it_ignores(suite: subprocess.CompletedProcess) -> None:
     out = suite.stdout[-6000:] + suite.stderr[-2000:]
     assert suite.returncode == 1 and "1 failed" in suite.stdout, out
     assert "test_the_server_applies_the_logits_processors_it_accepts" in suite.stdout and \
-        "completions: echo" in suite.stdout, out
+        "completions: echo" in suite.stdout and "chat: n" in suite.stdout, out
 
 
 # --- the tests ------------------------------------------------------------------------------------
-def test_served_model_is_listed_and_validate_fails_only_on_the_echo_it_ignores(server, golden_file, workdir):
+def test_served_model_is_listed_and_validate_fails_only_on_the_echo_and_n_it_ignores(server, golden_file, workdir):
     status, body = http_get(server.url + "/v1/models")
     assert status == 200
     listed = [m["id"] for m in json.loads(body)["data"]]
@@ -283,7 +285,7 @@ def test_served_model_is_listed_and_validate_fails_only_on_the_echo_it_ignores(s
     report_path = workdir / "report.json"
     done, report = validate(server.url, "--golden", golden_file, "--concurrency", 4, "--seed", 1,
                             "--cancel-rate", 0.2, "--repeat", 2, cwd=workdir, report=report_path)
-    assert_fails_only_on_the_echo_it_ignores(done, report)
+    assert_fails_only_on_the_echo_and_n_it_ignores(done, report)
     assert report["server"]["model"] == listed[0]
     assert_every_request_compared(report)
 
@@ -303,7 +305,7 @@ def test_served_model_is_listed_and_validate_fails_only_on_the_echo_it_ignores(s
     assert report["drain"]["checked"] is False  # no /metrics, /slots or refengine status: not judged
 
 
-def test_shipped_http_properties_pass_but_for_the_echo_it_ignores(server, golden_file, workdir):
+def test_shipped_http_properties_pass_but_for_the_echo_and_n_it_ignores(server, golden_file, workdir):
     """The suite's `dev` profile (25 examples a property) even under CI=1, whose `ci` profile (80)
     would take minutes against this server. (Fails before two refengine/suite changes: schedules
     sent chat cases as token-id completions, which this server refuses with HTTP 400, and a streamed
@@ -311,18 +313,18 @@ def test_shipped_http_properties_pass_but_for_the_echo_it_ignores(server, golden
     done = run([sys.executable, "-m", "pytest", "--pyargs", "refengine.suite", "-m", "http",
                 "--engine-url", server.url, f"--golden={golden_file}", "--hypothesis-profile=dev",
                 "-p", "no:cacheprovider", "-q"], workdir)
-    assert_suite_fails_only_on_the_echo_it_ignores(done)
+    assert_suite_fails_only_on_the_echo_and_n_it_ignores(done)
 
 
 # ---- `--baseline serial` (the lead's addition to `refengine validate`) ----------------------------
 # Every case is sent alone first, then under load; each loaded answer must equal the server's own
 # alone answer. Needs `refengine validate --prompts FILE --baseline serial` (a usage error, exit 2, before it).
 @pytest.mark.parametrize("baseline", ["serial"])
-def test_baseline_serial_passes_but_for_the_echo_it_ignores(server, prompts_file, workdir, baseline):
+def test_baseline_serial_passes_but_for_the_echo_and_n_it_ignores(server, prompts_file, workdir, baseline):
     report_path = workdir / f"report-baseline-{baseline}.json"
     done, report = validate(server.url, "--prompts", prompts_file, "--baseline", baseline, "--concurrency", 4,
                             "--seed", 2, cwd=workdir, report=report_path)
-    assert_fails_only_on_the_echo_it_ignores(done, report)
+    assert_fails_only_on_the_echo_and_n_it_ignores(done, report)
     assert report["baseline"] == baseline
     assert_every_request_compared(report)
 
@@ -357,7 +359,7 @@ def test_a_bf16_server_passes_with_every_divergence_measured_within_the_bf16_bou
     (precision effect) and each loaded answer against its alone answer (batching effect). The server
     reports neither ids nor logprobs, so with --model every divergence gets a float64 margin, and each
     must be within the bf16 tolerance from the golden header (refengine's reference rounded to bf16). Both
-    verdicts FAIL only on the echo it accepts and ignores, as in float32."""
+    verdicts FAIL only on the echo and the n it accepts and ignores, as in float32."""
     srv = TransformersServer(model_dir, workdir / "serve-bf16.log", dtype="bfloat16").start()
     try:
         done, report = validate(srv.url, "--golden", golden_file, "--precision", "bf16", "--model", model_dir,
@@ -369,8 +371,8 @@ def test_a_bf16_server_passes_with_every_divergence_measured_within_the_bf16_bou
                      "--hypothesis-profile=dev", "-p", "no:cacheprovider", "-q"], workdir)
     finally:
         srv.close()
-    assert_fails_only_on_the_echo_it_ignores(done, report)
-    assert_suite_fails_only_on_the_echo_it_ignores(suite)
+    assert_fails_only_on_the_echo_and_n_it_ignores(done, report)
+    assert_suite_fails_only_on_the_echo_and_n_it_ignores(suite)
     bounds = report["bounds"]
     assert bounds["precision"] == "bf16" and bounds["bound_from"] == "golden"
     assert report["effects"]["precision"]["diverged"] == report["effects"]["batching"]["diverged"] == 0

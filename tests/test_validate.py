@@ -192,8 +192,8 @@ def test_validate_passes_against_refengine_serve(serve, tmp_path, mode, max_num_
     assert report["settings"]["tolerance"] == read_golden(GOLDEN).tolerance  # the calibrated bound by default
     assert report["dialect"] == {  # refengine's own dialect: ids in the answer's fields, logprobs when asked
         "return_token_ids": "sent", "cache_salt": "sent", "no_done_marker": False, "streams_without_done": 0,
-        "probe_requests": 2, "surface_requests": 15,  # a plain answer and each logits processor per API, prompt
-        # logprobs on both, echo on completions
+        "probe_requests": 2, "surface_requests": 17,  # a plain answer and each logits processor per API, prompt
+        # logprobs and n on both, echo on completions
         "resent": 0, "apis": {api: {"token_ids_from": "token_ids", "logprobs_requested": True, "logprobs": True,
                                     "prompt_token_ids": True} for api in ("chat", "completions")}}
     assert "-> PASS" in out

@@ -52,8 +52,9 @@ def case(case_id="c", token_ids=(7, 8)) -> GoldenCase:
 
 
 def test_a_processed_variant_is_its_case_with_fields_and_resolves_from_a_repro():
-    penalties, scored, bias = variants(case())
-    assert (penalties.id, scored.id, bias.id) == ("c+penalties", "c+prompt-logprobs", "c+bias")
+    penalties, scored, two, bias = variants(case())
+    assert (penalties.id, scored.id, two.id, bias.id) == ("c+penalties", "c+prompt-logprobs", "c+n", "c+bias")
+    assert two.fields == {"n": 2}
     assert scored.fields == {"prompt_logprobs": 2}
     assert bias.fields == {"logit_bias": {"7": -100.0}, "min_tokens": 2}  # against the golden first token
     assert bias.prompt_ids == [1, 2] and bias.max_tokens == 4 and bias.base.id == "c"
@@ -61,7 +62,7 @@ def test_a_processed_variant_is_its_case_with_fields_and_resolves_from_a_repro()
                                                "arrival_s": 0.0, "cancel_after": None}]}
     assert planned_from(data, [case()], "repro.json")[0].case == bias
     no_answer = ProcessedCase(case(token_ids=()), "x", "{}")
-    assert [v.variant for v in variants(no_answer.base)] == ["penalties", "prompt-logprobs"]  # no golden token to bias
+    assert [v.variant for v in variants(no_answer.base)] == ["penalties", "prompt-logprobs", "n"]  # no token to bias
 
 
 def text(value: str, prompt_ids=None, scored=None) -> Completion:
@@ -91,6 +92,22 @@ def test_prompt_logprobs_are_applied_only_where_every_prompt_token_has_its_entry
     assert _reported("prompt_logprobs", text("x", prompt_ids), text("x", prompt_ids, scored))["verdict"] == verdict
     if prompt_ids is None:  # the plain answer's ids stand in for the reply's
         assert _reported("prompt_logprobs", text("x", [1, 2, 4]), text("x", None, scored))["verdict"] == "wrong"
+
+
+@pytest.mark.parametrize("choices, verdict", [(2, "applied"), (1, "ignored"), (3, "wrong")])
+def test_n_is_applied_only_where_the_answer_carries_n_choices(choices, verdict):
+    got = Completion("x", None, None, "length", False, num_choices=choices)
+    assert _reported("n", text("x"), got)["verdict"] == verdict
+
+
+@pytest.mark.parametrize("choices", [[{"index": 0, "text": "a"}],
+                                     [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]])
+def test_the_first_choice_is_read_and_the_others_counted(choices):
+    assert (whole({"choices": choices}).text, whole({"choices": choices}).num_choices) == ("a", len(choices))
+    stream = Stream()
+    for choice in choices:  # streamed: a chunk per choice
+        stream.add({"choices": [choice]})
+    assert (stream.completion(False, True).text, stream.completion(False, True).num_choices) == ("a", len(choices))
 
 
 def test_a_wrong_answer_is_a_finding_and_an_unsupported_extension_a_note():

@@ -51,8 +51,9 @@ def run_batched(model: Model, schedule: Schedule, config: EngineConfig, *, keep_
         while pending and pending[0].arrival_step <= engine.num_steps:
             request = pending.pop(0)
             _add(engine, request, schedule.source)
-            prompt = engine.output(request.id).prompt_ids
-            max_steps = max(max_steps, engine.num_steps) + STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens)
+            prompt = engine.output(engine.request_ids(request.id)[0]).prompt_ids  # (an n > 1 request's first child)
+            max_steps = max(max_steps, engine.num_steps) + \
+                STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens) * request.params.n
         while aborts and aborts[0][0] <= engine.num_steps:
             engine.abort(aborts.pop(0)[1])
         events = engine.step()

@@ -12,7 +12,7 @@ tests/test_prefix_caching.py::test_untruthful_cached_tokens_fail_the_property.
 from __future__ import annotations
 
 from ..engine import RequestOutput
-from .schedule import Schedule
+from .schedule import Schedule, children
 
 
 def first_chunk_starts(trace: list[dict]) -> dict[str, int]:
@@ -31,8 +31,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def cache_problems(schedule: Schedule, outputs: dict[str, RequestOutput], trace: list[dict]) -> list[str]:
     """One line per request whose hit is misreported or has no source; empty when all are right."""
     first = first_chunk_starts(trace)
-    tokens = {r.id: outputs[r.id].prompt_ids + outputs[r.id].token_ids for r in schedule.requests if r.id in outputs}
-    salts = {r.id: r.cache_salt for r in schedule.requests}
+    runs = [c for r in schedule.requests for c in children(r)]  # an n > 1 request's children run apart
+    tokens = {c.id: outputs[c.id].prompt_ids + outputs[c.id].token_ids for c in runs if c.id in outputs}
+    salts = {c.id: c.cache_salt for c in runs}
     problems = []
     for rid, start in first.items():
         reported = outputs[rid].num_cached_tokens

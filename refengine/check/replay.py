@@ -9,6 +9,8 @@ request asked for logprobs (its `logprobs` key), every agreeing step's reported 
 too: bit-identical in invariant mode, else within twice the logit tolerance of the baseline row's
 float64 log-softmax (check.comparison.logprob_tolerance). With prefix caching on, the run's hits are
 judged too (check.prefix_cache): a misreported or unsourced hit fails it as an engine failure.
+A request with n > 1 is judged child by child, each against its baseline as a request of its own
+(check.schedule.children: child k is the request with seed + k).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from .comparison import (
 from .driver import configured, run_alone, run_batched, settings_text
 from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .prefix_cache import cache_problems
-from .schedule import Schedule, ScheduledRequest
+from .schedule import Schedule, ScheduledRequest, children
 
 AGAINST = {
     "serial": "each request alone (max_num_seqs=1, same settings), run to its natural stop",
@@ -157,7 +159,7 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
         failure = failure or (other_failure and f"under budget {other_budget}: {other_failure}")
         wanted = other.outputs()
     verdicts = {}
-    for request in schedule.requests:
+    for request in [child for r in schedule.requests for child in children(r)]:  # each child of n on its own
         if against == "prefill":
             verdicts[request.id] = _prefill_verdict(model, config, request, baselines, exact, tol)
             continue

@@ -9,6 +9,7 @@ every step and the K most likely alternatives with theirs (0: the chosen token's
 Logits processors (vLLM's names and semantics, reference.adjusted_logits): `presence_penalty`,
 `frequency_penalty` (each in [-2, 2]), `repetition_penalty` (in (0, 2]), `logit_bias` ({"token id":
 bias in [-100, 100]}) and `min_tokens` (0 to max_tokens).
+A request's optional `n` (>= 1, default 1) asks for that many answers (`children`).
 A request's optional `prompt_logprobs`: K (an integer >= 0) asks for each prompt token's log-probability
 given the tokens before it, its rank and the K most likely ids there (vLLM's; reference.prompt_logprobs).
 The engine is asked as the server asks it (SamplingParams.logprobs = max(K, 1): it reports at least
@@ -17,7 +18,7 @@ one alternative); ScheduledRequest.logprobs keeps K, the number of alternatives 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import EngineConfig
@@ -28,7 +29,7 @@ from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
 ENGINE_KEYS = set(SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "cache_salt", *PROCESSOR_KEYS}
+                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "cache_salt", *PROCESSOR_KEYS}
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
 
 
@@ -48,6 +49,19 @@ class Schedule:
     source: str
     engine: EngineConfig
     requests: list[ScheduledRequest]
+
+
+def children(request: ScheduledRequest) -> list[ScheduledRequest]:
+    """What an n > 1 request must answer, as requests of their own: child k is `<k>_<id>` (vLLM's name)
+    with n 1 and seed + k (vLLM's derivation; greedy children are the request itself); an n = 1 request
+    is its own only child. Defined here, apart from the engine's forking: a child's answer is judged
+    against this request run alone."""
+    params = request.params
+    if params.n == 1:
+        return [request]
+    return [replace(request, id=f"{k}_{request.id}",
+                    params=replace(params, n=1, seed=None if params.seed is None else params.seed + k))
+            for k in range(params.n)]
 
 
 def _is_int(value) -> bool:
@@ -92,6 +106,9 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
     logprobs = raw.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise RefengineError(f"{where}.logprobs: expected an integer >= 0 (alternatives per step), got {logprobs!r}")
+    n = raw.get("n", 1)
+    if not _is_int(n) or n < 1:
+        raise RefengineError(f"{where}.n: expected an integer >= 1 (answers to the prompt), got {n!r}")
     prompt_logprobs = raw.get("prompt_logprobs")
     if prompt_logprobs is not None and (not _is_int(prompt_logprobs) or prompt_logprobs < 0):
         raise RefengineError(f"{where}.prompt_logprobs: expected an integer >= 0 (alternatives per prompt token), "
@@ -104,7 +121,7 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
                                 ignore_eos=bool(raw.get("ignore_eos", False)),
                                 logprobs=0 if logprobs is None else max(logprobs, 1),
-                                prompt_logprobs=prompt_logprobs, **processor_params(raw))
+                                prompt_logprobs=prompt_logprobs, n=n, **processor_params(raw))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
     return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt)

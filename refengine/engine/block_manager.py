@@ -14,6 +14,11 @@ only, and a sequence writes past its cached tokens). A freed block keeps its reg
 sits on the free list, which is kept in least-recently-freed order: allocation takes from its front
 and un-registers what it takes (an evicted block is never found again through its old hash), a hit
 takes the block off the list.
+
+A child of an n > 1 request forks a running sibling's prompt (`share`): the sibling's full blocks are
+held by both (read-only: each writes past them), and the partial last block is copied into a block of
+the child's own before either writes its next token there (the scheduler asks the model runner for the
+copy: SchedulerOutput.copies).
 """
 from __future__ import annotations
 
@@ -53,14 +58,16 @@ def salt_root(cache_salt: str | None) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 count_shares: bool = True, evict_on_reuse: bool = True, unlist_hits: bool = True):
+                 count_shares: bool = True, evict_on_reuse: bool = True, unlist_hits: bool = True,
+                 count_forks: bool = True):
         """`count_shares` False: Fault.CACHED_BLOCK_NOT_REFCOUNTED; `evict_on_reuse` False:
-        Fault.EVICTED_BLOCK_STILL_CACHED; `unlist_hits` False: Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST (the
-        engine resolves them from its config)."""
+        Fault.EVICTED_BLOCK_STILL_CACHED; `unlist_hits` False: Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST;
+        `count_forks` False: Fault.FORKED_BLOCKS_NOT_REFCOUNTED (the engine resolves them from its config)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.count_shares, self.evict_on_reuse, self.unlist_hits = count_shares, evict_on_reuse, unlist_hits
+        self.count_forks = count_forks
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.ref_counts = [0] * num_blocks
         self.tables: dict[str, BlockTable] = {}  # owner -> table holding blocks, for check_invariants
@@ -132,6 +139,14 @@ class BlockManager:
                 self.ref_counts[block_id] += 1
             elif self.count_shares:
                 self.ref_counts[block_id] += 1
+            table.block_ids.append(block_id)
+
+    def share(self, table: BlockTable, blocks: list[int]) -> None:
+        """Start an empty `table` with `blocks`, which a sibling's table holds (a fork): their counts go up."""
+        assert not table.block_ids, table
+        self.tables[table.owner] = table
+        for block_id in blocks:
+            self.ref_counts[block_id] += self.count_forks
             table.block_ids.append(block_id)
 
     def register(self, table: BlockTable, hashes: list[bytes], first: int = 0) -> None:

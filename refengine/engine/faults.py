@@ -51,6 +51,11 @@ class Fault(Enum):
     PROMPT_LOGPROBS_FROM_CACHED_BLOCKS = "prompt-logprobs-from-cached-blocks"
     PROMPT_LOGPROBS_ROWS_FROM_STEP_START = "prompt-logprobs-rows-from-step-start"
     ECHO_IGNORED = "echo-ignored"
+    N_CHILDREN_SHARE_SEED = "n-children-share-seed"
+    FORKED_PARTIAL_BLOCK_SHARED = "forked-partial-block-shared"
+    FORK_COPY_SKIPPED = "fork-copy-skipped"
+    FORKED_BLOCKS_NOT_REFCOUNTED = "forked-blocks-not-refcounted"
+    FORK_BEFORE_PREFILL_DONE = "fork-before-prefill-done"
 
 
 DESCRIPTIONS = {
@@ -161,6 +166,21 @@ DESCRIPTIONS = {
     Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START:
         "the rows a chunk scores are indexed from the step's first row instead of the chunk's own first row: "
         "right while the chunk comes first in its step, another request's rows after that",
+    Fault.N_CHILDREN_SHARE_SEED:
+        "the n children of a request all sample with the request's seed instead of seed + k: every child "
+        "gives the same answer (TensorRT-LLM shipped one seed shared across a batch)",
+    Fault.FORKED_PARTIAL_BLOCK_SHARED:
+        "a child forking a sibling's prompt shares the partial last block instead of copying it: both write "
+        "their own next tokens into the same slots, each overwriting the other's KV",
+    Fault.FORK_COPY_SKIPPED:
+        "a child forking a sibling's prompt gets a fresh block for the partial last block but the copy of "
+        "its KV is never made: the child attends to whatever that block held before",
+    Fault.FORKED_BLOCKS_NOT_REFCOUNTED:
+        "a child forking a sibling's prompt shares its full blocks without counting the new holder: the "
+        "first of them to finish frees blocks the other still reads",
+    Fault.FORK_BEFORE_PREFILL_DONE:
+        "a child forks as soon as a sibling has computed anything, not its whole prompt: with the sibling's "
+        "prefill chunked, the child takes blocks whose KV is not written yet",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

@@ -74,13 +74,18 @@ class LLMEngine:
                                           self.config.enable_prefix_caching,
                                           count_shares=fault is not Fault.CACHED_BLOCK_NOT_REFCOUNTED,
                                           evict_on_reuse=fault is not Fault.EVICTED_BLOCK_STILL_CACHED,
-                                          unlist_hits=fault is not Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST)
+                                          unlist_hits=fault is not Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST,
+                                          count_forks=fault is not Fault.FORKED_BLOCKS_NOT_REFCOUNTED)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config)
         self.penalties = PenaltyRows(model.config.vocab_size, model.config.eos_token_ids, fault)
         self.prompt_scorer = PromptScorer(fault, keep_logits, digest_logits)
         self.requests_with_logits_processors = 0
         self.sequences: dict[str, Sequence] = {}
+        self.families: dict[str, list[str]] = {}  # an n > 1 request's id -> its children's ids
+        # child k samples with seed + k (Fault.N_CHILDREN_SHARE_SEED: all with the request's seed)
+        self._child_seed = (lambda seed, k: seed) if fault is Fault.N_CHILDREN_SHARE_SEED \
+            else (lambda seed, k: seed + k)
         self.num_steps = 0
         self.trace: list[dict] = []
         self._metrics = EngineMetrics()
@@ -102,12 +107,13 @@ class LLMEngine:
         """`cache_salt`: a request shares cached KV blocks only with requests given the same salt (vLLM's)."""
         if not isinstance(request_id, str) or not request_id:
             raise RefengineError(f"request id: expected a non-empty string, got {request_id!r}")
-        if request_id in self.sequences:
+        if not isinstance(params, SamplingParams):
+            raise RefengineError(f"request {request_id!r}: params must be a SamplingParams")
+        ids = [request_id] if params.n == 1 else [f"{k}_{request_id}" for k in range(params.n)]
+        if request_id in self.sequences or request_id in self.families or any(i in self.sequences for i in ids):
             raise RefengineError(f"request {request_id!r}: duplicate request id")
         if sum(x is not None for x in (prompt_ids, prompt, messages)) != 1:
             raise RefengineError(f"request {request_id!r}: give exactly one of prompt_ids, prompt, messages")
-        if not isinstance(params, SamplingParams):
-            raise RefengineError(f"request {request_id!r}: params must be a SamplingParams")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RefengineError(f"request {request_id!r}: cache_salt: expected a non-empty string, got {cache_salt!r}")
         try:
@@ -123,16 +129,34 @@ class LLMEngine:
             prompt_ids = self.model.check_prompt(prompt_ids, what="prompt")
         except (TypeError, ValueError) as e:  # RefengineError is a ValueError
             raise RefengineError(f"request {request_id!r}: {e}") from None
-        seq = Sequence(request_id, prompt_ids, params, tokenizer.detokenizer(), self.num_steps,
-                       self._salt_root(cache_salt))
+        family = None if params.n == 1 else request_id
+        seqs = [Sequence(rid, prompt_ids, self._child(params, k), tokenizer.detokenizer(), self.num_steps,
+                         self._salt_root(cache_salt), family) for k, rid in enumerate(ids)]
+        self.scheduler.check_admissible(seqs[0])  # before any child is queued: all or none
         self.requests_with_logits_processors += params.processes_logits
-        self.scheduler.add(seq)
-        self.sequences[request_id] = seq
+        for seq in seqs:
+            self.scheduler.add(seq)
+            self.sequences[seq.request_id] = seq
+        if family is not None:
+            self.families[family] = ids
+
+    def _child(self, params: SamplingParams, k: int) -> SamplingParams:
+        """Child k's parameters: n 1, and seed + k (vLLM's; greedy children need no seed)."""
+        if params.n == 1:
+            return params
+        return replace(params, n=1, seed=None if params.seed is None else self._child_seed(params.seed, k))
+
+    def request_ids(self, request_id: str) -> list[str]:
+        """The ids a request runs under: its children's (`<k>_<id>`) for n > 1, else its own."""
+        return self.families.get(request_id, [request_id])
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks: True, and its final event (finish_reason "abort")
         comes out of the next step(). False if it had already finished (stopped, ran to its length or
-        was aborted before): a no-op, its output and finish_reason stay as they were and no event follows."""
+        was aborted before): a no-op, its output and finish_reason stay as they were and no event follows.
+        An n > 1 request's id aborts every child not yet released (True if it stopped any)."""
+        if request_id in self.families:
+            return any([self.abort(child) for child in self.families[request_id] if child in self.sequences])
         seq = self.sequences.get(request_id)
         if seq is None:
             raise RefengineError(f"request {request_id!r}: unknown request id, nothing to abort")
@@ -159,7 +183,7 @@ class LLMEngine:
         kv_blocks_used = self.block_manager.num_used_blocks
         sampling = [c for c in output.chunks if c.samples]
         scored = self.prompt_scorer.positions(output.chunks)
-        logits = self.runner.execute(output.chunks, self.block_manager, scored) if output.chunks else ()
+        logits = self.runner.execute(output.chunks, self.block_manager, scored, output.copies) if output.chunks else ()
         if scored:  # the prompt rows follow the sampling rows; a first token's event carries its prompt's
             self.prompt_scorer.record(output.chunks, scored, logits[len(sampling):])
             logits = logits[:len(sampling)]
@@ -283,7 +307,9 @@ class LLMEngine:
         out = self.output(request_id)
         if out.finish_reason is None:
             raise RefengineError(f"request {request_id!r}: still running; abort it first")
-        del self.sequences[request_id]
+        family = self.sequences.pop(request_id).family
+        if family is not None and not any(i in self.sequences for i in self.families[family]):
+            del self.families[family]
         return out
 
     @property
@@ -300,7 +326,7 @@ class LLMEngine:
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "logits_processor_rows": len(self.penalties.ids),
                 "requests_with_logits_processors": self.requests_with_logits_processors,
-                "prompt_logprob_tokens": self.prompt_scorer.scored_tokens}
+                "prompt_logprob_tokens": self.prompt_scorer.scored_tokens, "forks": self.scheduler.forks}
 
     def check_invariants(self) -> None:
         """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every

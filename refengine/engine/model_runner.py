@@ -169,11 +169,15 @@ class ModelRunner:
         return y if bias is None else y + bias
 
     def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager,
-                scored: list[tuple[int, range]] = ()) -> np.ndarray:
+                scored: list[tuple[int, range]] = (), copies: list[tuple[int, int]] = ()) -> np.ndarray:
         """Run one forward over `chunks`; returns float32 logits [num sampling chunks + scored rows, vocab]:
         a row per sampling chunk, then the rows of `scored`'s positions ((chunk index, positions) pairs:
-        engine/prompt_logprobs.py), in order."""
+        engine/prompt_logprobs.py), in order. `copies` ((source, destination) blocks: a fork's partial
+        block) are made first, in every layer."""
         cfg = self.cfg
+        for source, destination in copies:
+            self.k_cache[:, destination] = self.k_cache[:, source]
+            self.v_cache[:, destination] = self.v_cache[:, source]
         inputs, plan, sampling_rows, keys = self._prepare(chunks, block_manager, scored)
         ids, positions, slots = inputs
         if self.misplace_block_starts:

@@ -7,6 +7,12 @@ running sequence cannot get blocks, the most recently admitted running sequence 
 blocks are freed and it goes back to the front of the waiting queue, to recompute prompt + generated
 tokens when readmitted. The oldest running sequence therefore always progresses, so nothing starves.
 
+A child of an n > 1 request is admitted by forking a running sibling once that sibling has computed their
+shared tokens (the prompt but its last token, which the child computes itself to get its own row): the
+full blocks are shared, the partial last block is copied (block_manager), and so are its prompt logprobs,
+where asked for. While a running sibling still computes them, the child waits at the head of the queue
+(as vLLM v0 forked after the prompt's prefill).
+
 Which chunks a step runs is always that decision; `scheduling_policy` only orders them (how the
 step's rows are laid out for the runner, which must give the same outputs in any order): "fcfs" as
 decided (running first, a partial prefill chunk last), "prefill-first" the prefill chunks and then
@@ -24,6 +30,8 @@ from .block_manager import BlockManager, block_hashes
 from .config import EngineConfig
 from .faults import Fault
 from .sequence import Sequence, SequenceStatus
+
+WAIT = object()  # _fork_source: a sibling still computes the tokens to fork
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    copies: list[tuple[int, int]] = ()  # (source block, destination block): a fork's partial block, before the run
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +75,14 @@ class Scheduler:
         # (Fault.PROMPT_LOGPROBS_FROM_CACHED_BLOCKS: it does not)
         self._looks_up = (lambda seq: True) if self.fault is Fault.PROMPT_LOGPROBS_FROM_CACHED_BLOCKS \
             else (lambda seq: not seq.scoring_prompt)
+        self.families: dict[str, list[Sequence]] = {}  # an n > 1 request's id -> its children not all finished
+        # Fault.FORK_BEFORE_PREFILL_DONE: a sibling that has computed anything is taken as ready
+        self._ready = (lambda source, shared: source.num_computed_tokens > 0) \
+            if self.fault is Fault.FORK_BEFORE_PREFILL_DONE \
+            else (lambda source, shared: source.num_computed_tokens >= shared)
+        self._shares_partial = self.fault is Fault.FORKED_PARTIAL_BLOCK_SHARED
+        self._copies = self.fault is not Fault.FORK_COPY_SKIPPED
+        self.forks = 0  # children admitted by forking a sibling (refengine_forks_total)
         self.prefix_cache_queries = 0  # tokens looked up at admissions, and those found cached
         self.prefix_cache_hits = 0     # (vLLM's vllm:prefix_cache_queries / _hits, in tokens)
 
@@ -84,6 +101,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq)
         self.waiting.append(seq)
+        if seq.family is not None:
+            self.families.setdefault(seq.family, []).append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,12 +126,19 @@ class Scheduler:
             chunks.append(self._allocate(seq, num_tokens))
             budget -= num_tokens
             index += 1
+        copies: list[tuple[int, int]] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self._cached_prefix(seq)
-            cached = len(hit) * self.block_manager.block_size
-            if self._drop_last_hit:  # Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED: its tokens still count as cached
-                hit = hit[:-1]
+            source = self._fork_source(seq)
+            if source is WAIT:
+                break
+            if source is not None:
+                hit, cached = self._forked_blocks(seq, source), seq.num_prompt_tokens - 1
+            else:
+                hit = self._cached_prefix(seq)
+                cached = len(hit) * self.block_manager.block_size
+                if self._drop_last_hit:  # Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED: its tokens still count as cached
+                    hit = hit[:-1]
             num_tokens = min(self._remaining(seq) - cached, budget)
             if self.block_manager.num_new_blocks(seq.block_table, cached + num_tokens) - len(hit) > \
                     self.block_manager.num_free_after_hit(hit):
@@ -120,11 +146,39 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._take_cached(seq, hit, cached)
+            if source is not None:
+                self.block_manager.share(seq.block_table, hit)
+                seq.num_computed_tokens = cached
+                if seq.scoring_prompt:  # the rows it skips scored its prompt in the sibling: the same entries
+                    seq.prompt_logprobs = list(source.prompt_logprobs)
+                if seq.num_cached_tokens is None:  # what it is told (usage): prompt tokens it did not compute
+                    seq.num_cached_tokens = cached
+                self.forks += 1
+            else:
+                self._take_cached(seq, hit, cached)
             chunks.append(self._allocate(seq, num_tokens))
+            if source is not None and len(hit) * self.block_manager.block_size < cached and self._copies:
+                copies.append((source.block_table.block_ids[len(hit)], seq.block_table.block_ids[len(hit)]))
             budget -= num_tokens
         step, self.num_steps = self.num_steps, self.num_steps + 1
-        return SchedulerOutput(self.ordered(chunks, step), preempted)
+        return SchedulerOutput(self.ordered(chunks, step), preempted, copies)
+
+    def _fork_source(self, seq: Sequence):
+        """For a child of an n > 1 request not yet computed: the running sibling whose KV of their shared
+        tokens (the prompt but its last token) it forks; WAIT while a running sibling still computes them;
+        None where it computes its prompt itself (no sibling runs, or nothing to share)."""
+        shared = seq.num_prompt_tokens - 1
+        if seq.family is None or seq.num_computed_tokens or shared < 1:
+            return None
+        running = [s for s in self.families[seq.family] if s is not seq and s.status is SequenceStatus.RUNNING]
+        return next((s for s in running if self._ready(s, shared)), WAIT if running else None)
+
+    def _forked_blocks(self, seq: Sequence, source: Sequence) -> list[int]:
+        """The sibling's blocks a fork shares: the full blocks of the shared tokens (the partial last one is
+        copied; Fault.FORKED_PARTIAL_BLOCK_SHARED: shared too)."""
+        shared, size = seq.num_prompt_tokens - 1, self.block_manager.block_size
+        full = shared // size + (self._shares_partial and shared % size > 0)
+        return source.block_table.block_ids[:full]
 
     def ordered(self, chunks: list[ScheduledChunk], step: int) -> list[ScheduledChunk]:
         """The step's chunks in the policy's order (the FCFS decision itself is `chunks`)."""
@@ -211,3 +265,5 @@ class Scheduler:
         if not (self.fault is Fault.ABORT_LEAKS_BLOCKS and reason == "abort"):
             self.block_manager.free(seq.block_table)
         seq.finish(reason, step)
+        if seq.family is not None and all(s.is_finished for s in self.families[seq.family]):
+            del self.families[seq.family]

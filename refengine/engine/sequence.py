@@ -17,8 +17,10 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival_step: int, hash_root: bytes = b""):
+                 detokenizer: IncrementalDetokenizer, arrival_step: int, hash_root: bytes = b"",
+                 family: str | None = None):
         self.request_id = request_id
+        self.family = family  # the request id of an n > 1 request it is a child of (None: a request of its own)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params

@@ -49,6 +49,7 @@ class RequestStream:
     client_gone: Callable[[], bool] | None = None  # the worker's probe of its connection; None: never gone
     num_cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (set before its events)
     cache_salt: str | None = None
+    children: list[str] = field(default_factory=list)  # the engine ids it runs under: one per answer (n)
 
 
 class EngineThread(threading.Thread):
@@ -69,7 +70,8 @@ class EngineThread(threading.Thread):
         self._submitted: list[RequestStream] = []
         self._aborts: list[str] = []
         self._stopping = False
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}  # engine thread only: by request id
+        self._by_child: dict[str, RequestStream] = {}  # engine thread only: by the engine id of each answer
         self._counters = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0,
                           "requests_finished_stop": 0, "requests_finished_length": 0,  # finished, by reason
                           "requests_rejected_busy": 0, "max_batch_active": 0,
@@ -183,7 +185,7 @@ class EngineThread(threading.Thread):
             self._admit(stream)
         for request_id in aborts:
             if request_id in self._streams:
-                self.engine.abort(request_id)
+                self.engine.abort(request_id)  # an n > 1 request's id: every answer
         if self.abort_on_hang_up:
             self._abort_hung_up()
         if self.engine.has_unfinished():
@@ -206,21 +208,29 @@ class EngineThread(threading.Thread):
             self._end_slot(ended_by_error_or_abort=True)
         else:
             self._streams[stream.request_id] = stream
+            stream.children = self.engine.request_ids(stream.request_id)
+            self._by_child |= dict.fromkeys(stream.children, stream)
             self._count("requests_total", +1)
         stream.accepted.set()
 
     def _dispatch(self, events) -> None:
         for event in events:
-            stream = self._streams[event.request_id]
-            stream.num_cached_tokens = self.engine.sequences[event.request_id].num_cached_tokens or 0
-            if event.finish_reason is not None:  # counted before the worker can send the end
-                del self._streams[event.request_id]
+            stream = self._by_child[event.request_id]
+            if event.request_id == stream.children[0]:  # usage: the first answer's admission says
+                stream.num_cached_tokens = self.engine.sequences[event.request_id].num_cached_tokens or 0
+            if event.finish_reason is not None:
+                del self._by_child[event.request_id]
                 self.engine.release(event.request_id)
-                self._end_slot(ended_by_error_or_abort=event.finish_reason == "abort")
-                self._count("requests_aborted" if event.finish_reason == "abort" else "requests_finished", +1)
-                if event.finish_reason in ("stop", "length"):
-                    self._count(f"requests_finished_{event.finish_reason}", +1)
+                if not any(child in self._by_child for child in stream.children):  # its last answer ended:
+                    self._end(stream, event.finish_reason)  # counted before the worker can send the end
             stream.events.put(event)
+
+    def _end(self, stream: RequestStream, finish_reason: str) -> None:
+        del self._streams[stream.request_id]
+        self._end_slot(ended_by_error_or_abort=finish_reason == "abort")
+        self._count("requests_aborted" if finish_reason == "abort" else "requests_finished", +1)
+        if finish_reason in ("stop", "length"):
+            self._count(f"requests_finished_{finish_reason}", +1)
 
     def _publish(self) -> None:
         status = self.engine.status()

@@ -156,15 +156,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise
 
     def _send_whole(self, stream: RequestStream, builder: ResponseBuilder) -> None:
-        tokens, finish_reason, scored = [], None, None
+        tokens, finish_reasons = [[] for _ in stream.children], [None] * len(stream.children)
+        scored = None
         try:
             for event in self._events(stream):
-                tokens.extend(generated(event, builder.request.logprobs))
-                finish_reason = event.finish_reason
+                index = stream.children.index(event.request_id)
+                tokens[index].extend(generated(event, builder.request.logprobs))
+                finish_reasons[index] = event.finish_reason
                 scored = event.prompt_logprobs if event.prompt_logprobs is not None else scored
         except EngineStopped as e:
             raise ApiError(500, str(e), code="engine_stopped", type="server_error") from None
-        self._send_json(200, builder.response(tokens, finish_reason, self._cached(stream), scored))
+        self._send_json(200, builder.response(tokens, finish_reasons, self._cached(stream), scored))
 
     def _send_stream(self, request: GenerationRequest, stream: RequestStream, builder: ResponseBuilder) -> None:
         self.send_response(200)
@@ -173,12 +175,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")  # the stream's end is the connection's end
         self.end_headers()
         self.close_connection = True
-        num_generated = 0
+        num_generated, started = 0, set()
         try:
-            for n, event in enumerate(self._events(stream)):
+            for event in self._events(stream):
                 tokens = generated(event, request.logprobs)
                 num_generated += len(tokens)
-                self._send_event(builder.chunk(tokens, event.finish_reason, first=n == 0, scored=event.prompt_logprobs))
+                index = stream.children.index(event.request_id)
+                self._send_event(builder.chunk(tokens, event.finish_reason, first=index not in started,
+                                               scored=event.prompt_logprobs, index=index))
+                started.add(index)
         except EngineStopped as e:
             self._send_event(ApiError(500, str(e), code="engine_stopped", type="server_error").body())
             return
@@ -187,19 +192,21 @@ class Handler(BaseHTTPRequestHandler):
         self._send_event("[DONE]")
 
     def _events(self, stream: RequestStream):
-        """The request's token events until it finishes; raises ClientGone if the client hangs up.
+        """The request's token events until every answer has finished; raises ClientGone if the client hangs up.
         The socket is looked at before every event, not on a clock: a stream whose client has gone is
         aborted at its next token however far the engine has run ahead of this thread (a 0.2 s poll let
         a fast engine finish a hung-up answer first, so the hang-up counted as a finish:
         tests/test_invariants_http.py's slot-leak hunts), and every DISCONNECT_POLL_SECONDS while the
         request waits with no events."""
+        unfinished = len(stream.children)
         while True:
             event = self.server.engine_thread.next_event(stream, DISCONNECT_POLL_SECONDS)
             if self._client_gone():
                 raise ClientGone(stream.request_id)
             if event is not None:
                 yield event
-                if event.finish_reason is not None:
+                unfinished -= event.finish_reason is not None
+                if not unfinished:
                     return
 
     def _cached(self, stream: RequestStream) -> int | None:

@@ -36,6 +36,7 @@ COUNTERS = (
      "Requests that asked for penalties, logit_bias or min_tokens."),
     ("refengine_prompt_logprob_tokens", "prompt_logprob_tokens",
      "Prompt tokens scored for prompt logprobs (prompt_logprobs, echo with logprobs)."),
+    ("refengine_forks", "forks", "Answers of an n > 1 request admitted by forking a sibling's prompt KV."),
 )
 FINISH_REASONS = ("stop", "length")  # vllm:request_success_total{finished_reason}; aborts are counted apart
 

@@ -10,6 +10,8 @@ prompt token (null for the first): {"token id": {"logprob", "rank", "decoded_tok
 token and the K most likely ids there, in the choice (completions) or the response object (chat).
 `echo` (completions only): the prompt's text before the answer's, and with `logprobs` K the prompt's
 tokens first in the choice's logprobs (the first with a null logprob), as OpenAI's legacy API did.
+`n` (1-MAX_N): that many choices, `index` 0.. (streamed: each chunk carries one choice); choice k is the
+answer with seed + k (vLLM's); usage counts every choice's tokens.
 `temperature` defaults to 0 (greedy), and sampling with temperature > 0 needs a `seed`.
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ..sampling import SamplingParams, processor_params
 MAX_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 # Accepted only at their neutral value, so a client relying on them hears about it.
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "suffix": ""}
+NEUTRAL_VALUES = {"best_of": 1, "suffix": ""}
+MAX_N = 16  # answers to one prompt
 
 
 class ApiError(Exception):
@@ -143,6 +146,13 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return count
 
 
+def _n(body: dict) -> int:
+    n = _typed(body, "n", (int,), 1, "an integer")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {n}", param="n")
+    return n
+
+
 def _echo(kind: str, body: dict, model: Model, prompt_ids: list[int]) -> str | None:
     """The prompt text a completions request with `echo` gets back first; None without echo."""
     if not _typed(body, "echo", (bool,), False, "a boolean"):
@@ -191,11 +201,12 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
             ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
             logprobs=0 if logprobs is None else max(logprobs, 1),  # >= 1: the greedy token's own logprob
             prompt_logprobs=max(scored) if scored else None,  # echo with logprobs scores the prompt it repeats
+            n=_n(body),
             **processor_params(body))
         params.check_vocabulary(model.config.vocab_size)
     except RefengineError as e:
         raise engine_error(e) from None
-    if len(prompt_ids) + params.max_tokens > context_tokens:
+    if len(prompt_ids) + params.max_tokens > context_tokens:  # per choice: each is a sequence of its own
         raise ApiError(400, f"{max_tokens_key}: prompt ({len(prompt_ids)} tokens) + {max_tokens_key} "
                             f"({params.max_tokens}) exceeds this server's context of {context_tokens} tokens",
                        param=max_tokens_key, code="context_length_exceeded")

@@ -1,4 +1,5 @@
-"""Response objects and SSE chunks for one request, in the OpenAI completions and chat formats."""
+"""Response objects and SSE chunks for one request, in the OpenAI completions and chat formats: one
+choice per answer (`n`), each with its `index`."""
 from __future__ import annotations
 
 from ..model.tokenizer import Tokenizer
@@ -11,33 +12,38 @@ class ResponseBuilder:
         self.served_name = served_name
         self.tokenizer = tokenizer
         self.chat = request.kind == "chat"
-        self._text_offset = 0  # completions logprobs report each token's offset in the text
+        self._text_offset: dict[int, int] = {}  # per choice: completions logprobs report each token's offset
 
-    def response(self, tokens: list[Generated], finish_reason: str, cached: int | None = None,
+    def response(self, tokens: list[list[Generated]], finish_reasons: list[str], cached: int | None = None,
                  scored: list | None = None) -> dict:
-        """`cached`: prompt tokens found in the prefix cache (None: the server caches none). `scored`: the
-        request's prompt logprobs (engine TokenEvent.prompt_logprobs), where it was scored."""
-        text = "".join(t.text for t in tokens)
-        choice = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = (self.request.echo or "") + text
-        choice.update(self._common(tokens, finish_reason, scored))
-        choice["prompt_token_ids"] = self.request.prompt_ids
-        return self._with_prompt_logprobs({**self._header(), "choices": [choice],
-                                           "usage": self._usage(len(tokens), cached)}, scored)
+        """Per choice its tokens and finish reason. `cached`: prompt tokens found in the prefix cache (None:
+        the server caches none). `scored`: the request's prompt logprobs (engine TokenEvent.prompt_logprobs),
+        where it was scored."""
+        choices = []
+        for index, (generated, finish_reason) in enumerate(zip(tokens, finish_reasons)):
+            text = "".join(t.text for t in generated)
+            choice = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (self.request.echo or "") + text
+            choice.update(self._common(generated, finish_reason, scored, index))
+            choice["prompt_token_ids"] = self.request.prompt_ids
+            choices.append(choice)
+        return self._with_prompt_logprobs({**self._header(), "choices": choices,
+                                           "usage": self._usage(sum(map(len, tokens)), cached)}, scored)
 
     def chunk(self, tokens: list[Generated], finish_reason: str | None, first: bool,
-              scored: list | None = None) -> dict:
-        """One SSE chunk; the first carries the prompt's ids, its echo and its prompt logprobs (`scored`)."""
+              scored: list | None = None, index: int = 0) -> dict:
+        """One SSE chunk of choice `index`; its first carries the prompt's ids, its echo and its prompt
+        logprobs (`scored`)."""
         text = "".join(t.text for t in tokens)
-        choice = {"index": 0}
+        choice = {"index": index}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             choice["text"] = ((self.request.echo or "") if first else "") + text
-        choice.update(self._common(tokens, finish_reason, scored if first else None))
+        choice.update(self._common(tokens, finish_reason, scored if first else None, index))
         obj = {**self._header(chunk=True), "choices": [choice]}
         if first:
             choice["prompt_token_ids"] = self.request.prompt_ids
@@ -57,8 +63,8 @@ class ResponseBuilder:
         usage = {"prompt_tokens": prompt, "completion_tokens": num_generated, "total_tokens": prompt + num_generated}
         return usage if cached is None else {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _common(self, tokens: list[Generated], finish_reason: str | None, scored: list | None = None) -> dict:
-        return {"logprobs": self._logprobs(tokens, scored), "finish_reason": finish_reason,
+    def _common(self, tokens: list[Generated], finish_reason: str | None, scored: list | None, index: int) -> dict:
+        return {"logprobs": self._logprobs(tokens, scored, index), "finish_reason": finish_reason,
                 "token_ids": [t.token_id for t in tokens]}
 
     def _with_prompt_logprobs(self, obj: dict, scored: list | None) -> dict:
@@ -72,7 +78,8 @@ class ResponseBuilder:
             for rank, (token, logprob) in enumerate(p.top_logprobs[:k], start=1):
                 entry.setdefault(str(token), self._scored(token, logprob, rank))
             entries.append(entry)
-        (obj if self.chat else obj["choices"][0])["prompt_logprobs"] = entries
+        for holder in [obj] if self.chat else obj["choices"]:
+            holder["prompt_logprobs"] = entries
         return obj
 
     def _scored(self, token_id: int, logprob: float, rank: int) -> dict:
@@ -81,7 +88,7 @@ class ResponseBuilder:
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, tokens: list[Generated], scored: list | None = None) -> dict | None:
+    def _logprobs(self, tokens: list[Generated], scored: list | None, index: int) -> dict | None:
         """With echo and `scored` (the first chunk, or a whole answer), the prompt's tokens come first: the
         first with no logprob (nothing comes before it), the others with theirs."""
         if self.request.logprobs is None:
@@ -95,10 +102,11 @@ class ResponseBuilder:
             chosen = [None] + [p.logprob for p in scored] + chosen
             top = [None] + [p.top_logprobs[:k] for p in scored] + top
         pieces = [self._piece(i) for i in ids]
-        offsets = []
+        offsets, offset = [], self._text_offset.get(index, 0)
         for piece in pieces:
-            offsets.append(self._text_offset)
-            self._text_offset += len(piece)
+            offsets.append(offset)
+            offset += len(piece)
+        self._text_offset[index] = offset
         return {"tokens": pieces, "token_logprobs": chosen,
                 "top_logprobs": [None if t is None else {self._piece(i): lp for i, lp in t} for t in top],
                 "text_offset": offsets}

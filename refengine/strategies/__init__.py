@@ -7,8 +7,8 @@
 - sampling: greedy, or seeded (temperature, top-k, top-p, seed).
 - engine_settings: max_num_seqs 1-8, token budgets down to 1 (chunked prefill), block_size 1-32.
 - schedules: 1-5 requests joining at steps 0-12, some aborted mid-flight, some leaving early with a
-  small max_tokens, some asking for logprobs (the chosen token's, and 0-20 alternatives), over a KV
-  pool fitted tight (preemption) or roomy.
+  small max_tokens, some asking for logprobs (the chosen token's, and 0-20 alternatives), prompt logprobs,
+  logits processors, and (with `forks`) n answers, over a KV pool fitted tight (preemption) or roomy.
 - shared_prefixes: those schedules with prefix caching on and prompts sharing prefixes (cut at block
   edges and one token either side), so requests hit KV blocks other requests computed.
 - http_schedules: for a server over HTTP, 1-6 concurrent requests for golden cases, completions or

@@ -7,6 +7,7 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
 - sampling: some requests sample with a seed (see sampling); the others are greedy;
 - logprobs: some requests ask for logprobs (`"logprobs": K`, K of LOGPROB_COUNTS alternatives per
   step, 0 = the chosen token's only); the others ask for none, which is what the shrinker goes to;
+- n (only where `forks`): two requests in three ask for 2 or 3 answers (FORKS), drawn in the same choice;
 - prompt logprobs: a request in three asks for them (`"prompt_logprobs": K`, K of PROMPT_LOGPROB_COUNTS),
   drawn with how they leave (a pick by request number would move to another request as the shrinker
   deletes the ones before it);
@@ -45,6 +46,7 @@ ABORT_DELAYS = (0, 1, 2, 3, 5, 8)
 LOGPROB_COUNTS = (0, 1, 2, 5, 20)  # alternatives per step; 20 is the server's most (OpenAI's limit)
 LOGPROBS = st.sampled_from(LOGPROB_COUNTS)
 PROMPT_LOGPROB_COUNTS = (None, None, None, None, 0, 5)  # None: not asked for
+FORKS = (1, 2, 3)  # n: answers to one prompt (schedules with `forks` only)
 SHAPES = st.sampled_from([True, False])  # burst first
 HEADROOM = st.integers(1, MAX_TOKENS // 2)  # tokens each burst resident generates before the pool runs out
 
@@ -54,36 +56,39 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 @functools.cache
-def leaves(burst: bool, may_abort: bool, scored: bool) -> st.SearchStrategy[tuple[dict, dict | None, int | None]]:
+def leaves(burst: bool, may_abort: bool, scored: bool, forked: bool = False) -> st.SearchStrategy[tuple]:
     """How a request leaves, simplest first: run to a max_tokens, or be aborted (running up to MAX_TOKENS);
-    with which of processors.KINDS it asks for and its prompt logprobs, in the same choice (each leave
-    first without processors, each of those first without prompt logprobs; none where not `scored`)."""
+    with which of processors.KINDS it asks for, its prompt logprobs and its n, in the same choice (each
+    leave first without processors, each of those first without prompt logprobs, each of those first with
+    n 1; no prompt logprobs where not `scored`, n 1 where not `forked`)."""
     by_length = [{"max_tokens": n} for n in range(MAX_TOKENS // 2 if burst else 1, MAX_TOKENS + 1)]
     by_abort = [{"max_tokens": MAX_TOKENS, "abort_delay": d} for d in ABORT_DELAYS] if may_abort else []
     counts = PROMPT_LOGPROB_COUNTS if scored else (None,)
-    return st.sampled_from([(leave, kind, count) for count in counts for kind in KINDS
-                            for leave in by_length + by_abort])
+    return st.sampled_from([(leave, kind, count, n) for n in (FORKS if forked else (1,)) for count in counts
+                            for kind in KINDS for leave in by_length + by_abort])
 
 
 @functools.cache  # one strategy per argument tuple (prompts.py says why)
 @st.composite
 def requests(draw, vocab_size: int, block_size: int, token_budget: int, burst: bool = False,
-             may_abort: bool = True, scored: bool = True) -> dict:
+             may_abort: bool = True, scored: bool = True, forked: bool = False) -> dict:
     request = {"prompt_ids": draw(prompts(vocab_size, block_size, token_budget)),
                "arrival_step": draw(st.integers(0, 1 if burst else MAX_ARRIVAL))}
-    leave, kind, count = draw(leaves(burst, may_abort, scored))
+    leave, kind, count, n = draw(leaves(burst, may_abort, scored, forked))
     leave = dict(leave)
     if "abort_delay" in leave:
         request["abort_step"] = request["arrival_step"] + leave.pop("abort_delay")
     if count is not None:
         request["prompt_logprobs"] = count
+    if n > 1:
+        request["n"] = n
     return {**request, **leave, **processor_fields(kind, request["prompt_ids"], leave["max_tokens"])}
 
 
 @functools.cache
 def request_lists(vocab_size: int, block_size: int, token_budget: int, burst: bool, may_abort: bool,
-                  max_requests: int, scored: bool = True) -> st.SearchStrategy[list[dict]]:
-    request = requests(vocab_size, block_size, token_budget, burst, may_abort, scored)
+                  max_requests: int, scored: bool = True, forked: bool = False) -> st.SearchStrategy[list[dict]]:
+    request = requests(vocab_size, block_size, token_budget, burst, may_abort, scored, forked)
     return st.lists(request, min_size=min(2, max_requests) if burst else 1, max_size=max_requests)
 
 
@@ -112,15 +117,17 @@ def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
 @functools.cache  # the properties' flatmaps ask for it per draw
 @st.composite
 def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int = MAX_REQUESTS,
-              allow_seeded: bool | None = None, allow_abort: bool = True, prompt_logprobs: bool = True) -> dict:
+              allow_seeded: bool | None = None, allow_abort: bool = True, prompt_logprobs: bool = True,
+              forks: bool = False) -> dict:
     """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws.
-    `prompt_logprobs` False: no request asks for them."""
+    `prompt_logprobs` False: no request asks for them. `forks`: two requests in three ask for n of 2 or 3
+    (FORKS), the others for one answer."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
     burst = draw(SHAPES)
     engine = draw(engine_settings(mode, pressure=burst))
     reqs = draw(request_lists(vocab_size, engine["block_size"], engine["max_num_batched_tokens"], burst,
-                              allow_abort and not burst, max_requests, prompt_logprobs))
+                              allow_abort and not burst, max_requests, prompt_logprobs, forks))
     if allow_seeded:
         for n, params in draw(picks(seeded, max_requests)):
             reqs[n % len(reqs)]["sampling"] = params

@@ -24,7 +24,7 @@ from ..check.driver import run_batched
 from ..check.output_oracle import expected_finish, settled_length, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
-from ..check.schedule import parse_schedule
+from ..check.schedule import children, parse_schedule
 from ..strategies import schedules
 from ..strategies.engine_settings import MODES
 from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
@@ -38,6 +38,7 @@ COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort"
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
 invariant_schedules = schedules(VOCAB_SIZE, mode="invariant")
+forked_schedules = schedules(VOCAB_SIZE, mode="invariant", forks=True)  # requests asking for n answers
 fast_schedules = schedules(VOCAB_SIZE, mode="fast")
 any_mode_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode))
 greedy_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode, allow_seeded=False))
@@ -96,7 +97,8 @@ baselines = MemoizedBaselines()
 
 def coverage(schedule: dict, trace: list[dict]) -> set[str]:
     """The batching situations (COVERAGE) a run met."""
-    prompt_len = {r["id"]: len(r["prompt_ids"]) for r in schedule["requests"]}
+    prompt_len = {child.id: len(r["prompt_ids"]) for r in schedule["requests"]  # an n > 1 request runs as its children
+                  for child in children(parse_schedule({"requests": [r]}, "coverage").requests[0])}
     seen = {"logprobs requested"} if any("logprobs" in r for r in schedule["requests"]) else set()
     if any("prompt_logprobs" in r for r in schedule["requests"]):
         seen.add("prompt logprobs requested")

@@ -17,7 +17,9 @@ One probe per API, on the probe case (greedy, its own cache salt), after a plain
 - prompt_logprobs 1 (vLLM's extension): the answer must carry an entry per prompt token, null for the
   first, each later one naming that prompt token (the prompt's ids from the answer);
 - echo (completions only; OpenAI's): the answer's text must be the plain answer's with the prompt's
-  text before it.
+  text before it;
+- n 2 (OpenAI's): the answer must carry two choices (their content is not judged: a greedy request's
+  answers may part at a near-tie where a server is not batch-invariant).
 Each parameter's verdict: "applied" (changed where it must), "ignored" (the same answer where it must
 change: a finding), "wrong" (an answer that is neither: prompt logprobs that do not line up with the
 prompt, an echo that is not the prompt: a finding), "unsupported" (an extension the server does not
@@ -39,7 +41,9 @@ from .client import Completion, Endpoint, ServerError
 from .dialect import REFUSAL_STATUSES, Dialect, names, send
 
 PARAMETERS = ("logit_bias", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty")
-REPORTS = {"prompt_logprobs": ("completions", "chat"), "echo": ("completions",)}  # parameter -> the APIs probed
+REPORTS = {"prompt_logprobs": ("completions", "chat"), "echo": ("completions",),  # parameter -> the APIs probed
+           "n": ("completions", "chat")}
+N = 2  # answers the probe asks for
 FINDINGS = ("ignored", "wrong")
 PENALTY = 2.0  # the largest OpenAI allows
 
@@ -74,6 +78,11 @@ def _changed(plain: Completion, got: Completion, through: int | None = None) -> 
 
 def _reported(name: str, plain: Completion, got: Completion) -> dict:
     """The verdict on a REPORTS parameter from the answer that asked for it."""
+    if name == "n":
+        if got.num_choices == N:
+            return {"verdict": "applied", "why": f"{N} choices"}
+        verdict = "ignored" if got.num_choices == 1 else "wrong"
+        return {"verdict": verdict, "why": f"{got.num_choices} choice(s) for n {N}"}
     if name == "echo":
         if got.text == plain.text:
             return {"verdict": "ignored", "why": "the answer's text without the prompt before it"}
@@ -120,7 +129,7 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
             else "no step of its plain answer where the penalty must change it (or no logprobs)"
         tests[name] = ({name: PENALTY}, step, why)
     tests["repetition_penalty"] = ({"repetition_penalty": 1.5}, None, "its effect needs the logits' signs")
-    tests |= {name: ({name: 1 if name == "prompt_logprobs" else True}, None, "") for name in reports}
+    tests |= {name: ({name: {"prompt_logprobs": 1, "n": N}.get(name, True)}, None, "") for name in reports}
     probed = {"logit_bias", "frequency_penalty", "presence_penalty"}
     out = {}
     for name, (fields, step, why) in tests.items():
@@ -192,12 +201,14 @@ class ProcessedCase:
 
 def variants(case) -> list[ProcessedCase]:
     """The processed variants of `case`: "penalties" (frequency, presence and repetition penalties),
-    "prompt-logprobs" (vLLM's prompt_logprobs, 2 alternatives: the serial baseline compares them too), and
+    "prompt-logprobs" (vLLM's prompt_logprobs, 2 alternatives: the serial baseline compares them too), "n"
+    (two answers: the first, read and judged, is the case's own; the other loads the batch beside it), and
     where its golden answer is known, "bias" (-100 on the golden answer's first token, and min_tokens 2:
     a different answer that must still be two tokens long at least)."""
     out = [ProcessedCase(case, "penalties", json.dumps({"frequency_penalty": 1.5, "presence_penalty": 0.5,
                                                         "repetition_penalty": 1.3})),
-           ProcessedCase(case, "prompt-logprobs", json.dumps({"prompt_logprobs": 2}))]
+           ProcessedCase(case, "prompt-logprobs", json.dumps({"prompt_logprobs": 2})),
+           ProcessedCase(case, "n", json.dumps({"n": 2}))]
     answer = getattr(case, "token_ids", None)
     if answer:
         out.append(ProcessedCase(case, "bias", json.dumps({"logit_bias": {str(answer[0]): -100.0},

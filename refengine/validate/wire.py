@@ -9,6 +9,7 @@ Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the o
 `prompt_token_ids` (vLLM chat).
 Logprobs, per generated token: chat's `logprobs.content[].logprob` with `.top_logprobs[].logprob`,
 or completions' `logprobs.token_logprobs[]` with `logprobs.top_logprobs[]` (token -> logprob).
+Only the first choice (`index` 0) is read; the others are counted (`n`, validate.surface).
 Prompt logprobs (vLLM's `prompt_logprobs`): `choices[i].prompt_logprobs` (completions) or the object's
 `prompt_logprobs` (chat): per prompt token null (the first) or {"token id": {"logprob", ...}}.
 Prompt tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens` (OpenAI;
@@ -50,6 +51,7 @@ class Completion:
     # Per prompt token, id -> logprob for the token and the alternatives reported there (None for the
     # first token); None: not reported.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_choices: int = 1                # choices the answer carried (`n`); everything else is the first one's
 
 
 def _ints(value) -> list[int] | None:
@@ -178,7 +180,7 @@ def whole(data: dict) -> Completion:
     return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
                       cancelled=False, ids_from=ids_from if ids is not None else None, note=note,
                       logprobs=counted(token_logprobs(choice), ids), cached_tokens=cached_tokens(data),
-                      prompt_logprobs=prompt_logprobs(choice, data))
+                      prompt_logprobs=prompt_logprobs(choice, data), num_choices=len(choices))
 
 
 def counted(logprobs: list[TokenLogprob] | None, ids: list[int] | None) -> list[TokenLogprob] | None:
@@ -197,6 +199,7 @@ class Stream:
         self.text_without_ids = False
         self.prompt_ids: list[int] | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.indices: set[int] = set()  # the choices seen
         self.finish_reason: str | None = None
         self.usage: int | None = None
         self.cached_tokens: int | None = None
@@ -210,6 +213,10 @@ class Stream:
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            self.indices.add(index)
+            if index != 0:  # another answer (`n`): counted, not read
                 continue
             text = choice_text(choice)
             ids, ids_from = generated_ids(choice, chunk)
@@ -241,4 +248,5 @@ class Stream:
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
                           done_marker=done_marker, note=note, logprobs=logprobs, unread=unread,
-                          cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs)
+                          cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs,
+                          num_choices=max(1, len(self.indices)))
