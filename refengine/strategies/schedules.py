@@ -8,6 +8,7 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
 - logprobs: some requests ask for logprobs (`"logprobs": K`, K of LOGPROB_COUNTS alternatives per
   step, 0 = the chosen token's only); the others ask for none, which is what the shrinker goes to;
 - n (only where `forks`): two requests in three ask for 2 or 3 answers (FORKS), drawn in the same choice;
+  one drawn greedy samples instead (the most random sampler, its index as the seed: answers that differ);
 - prompt logprobs: a request in three asks for them (`"prompt_logprobs": K`, K of PROMPT_LOGPROB_COUNTS),
   drawn with how they leave (a pick by request number would move to another request as the shrinker
   deletes the ones before it);
@@ -37,7 +38,7 @@ from hypothesis import strategies as st
 from .engine_settings import engine_settings
 from .processors import KINDS, processor_fields
 from .prompts import prompts
-from .sampling import seeded
+from .sampling import SAMPLERS, seeded
 
 MAX_REQUESTS = 5
 MAX_TOKENS = 8
@@ -133,5 +134,8 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
             reqs[n % len(reqs)]["sampling"] = params
     for n, count in draw(picks(LOGPROBS, max_requests)):
         reqs[n % len(reqs)]["logprobs"] = count
+    for n, request in enumerate(reqs):  # a greedy request's answers are all alike: where no sampler was drawn,
+        if request.get("n", 1) > 1 and "sampling" not in request:  # one asking for several samples
+            request["sampling"] = {**SAMPLERS[0], "seed": n}
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}

@@ -152,8 +152,10 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
             drain["aborts"]["alone"] = lone
         drained = drained and drain["aborts"]["ok"] and (lone is None or lone["ok"])
     # after the drain is judged (its requests are no part of the load's accounting), and only on a server
-    # that came through the load whole: one that failed requests or did not drain may never answer again
-    healthy = not counts["error"] and not alone_errors and (drained or not drain["checked"])
+    # that came through the load whole: one that failed requests, gave wrong answers or did not drain may
+    # never answer again (an engine that corrupts its KV may never end a request)
+    healthy = not counts["error"] and not counts["diverged"] and not alone_errors and \
+        (drained or not drain["checked"])
     surface = None if replaying or not healthy else \
         {api: probe_surface(endpoint, api, {**body, "stream": False}, dialect)
          for api, body in bodies.items() if api not in dialect.probe_errors}

@@ -44,6 +44,8 @@ PARAMETERS = ("logit_bias", "min_tokens", "frequency_penalty", "presence_penalty
 REPORTS = {"prompt_logprobs": ("completions", "chat"), "echo": ("completions",),  # parameter -> the APIs probed
            "n": ("completions", "chat")}
 N = 2  # answers the probe asks for
+PROBE_TIMEOUT_S = 60.0  # one short greedy answer each: a server that takes longer (a faulty engine that never
+# ends a request) is an `error` for that parameter, not a run held for --timeout
 FINDINGS = ("ignored", "wrong")
 PENALTY = 2.0  # the largest OpenAI allows
 
@@ -107,6 +109,7 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
     """Per parameter of PARAMETERS and REPORTS (on the APIs it applies to), {"verdict", "why"} for the
     server's `api` on the case `body` (a whole greedy request)."""
     salt = dialect.cache_salt("cold", f"surface-{api}")
+    endpoint = Endpoint(endpoint.url, min(endpoint.timeout, PROBE_TIMEOUT_S))
     reports = [name for name, apis in REPORTS.items() if api in apis]
     dialect.surface_requests += 1 + len(PARAMETERS) + len(reports)
     try:
@@ -178,9 +181,9 @@ def ignored(surface: dict | None) -> list[str]:
 
 @dataclass(frozen=True)
 class ProcessedCase:
-    """A case sent with extra fields (logits processors, prompt logprobs): no golden answer has them, so it
-    is judged only against the same server's answer to it alone (the serial baseline). Everything but its id is its base case's;
-    its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
+    """A case sent with extra fields (logits processors, prompt logprobs, n): no golden answer has them, so
+    it is judged only against the same server's answer to it alone (the serial baseline). Everything but its
+    id is its base case's; its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
     base: object  # check.golden.GoldenCase or PromptCase
     variant: str
     fields_json: str  # the request fields it adds, as JSON (hashable)
