@@ -11,8 +11,8 @@ suite.harness.resolve_continuations). Each request is one more draw (which earli
 simplest, what shrinking aims at), when it shares, how (a cut, the simpler, and where; or a
 continuation, half the time, under the earlier one's salt, whose answer half the time ends at a block
 edge, without a stop id forced or a bias: where a block registered too early shows), and then its
-`cache_salt`: none (the simplest) or one of SALTS, so
-requests with equal prefixes and different salts meet (they must not share a block). Last, half of the schedules get a pool that holds their largest
+`cache_salt`: none (the simplest) or one of SALTS, so requests with equal prefixes and different salts
+meet (they must not share a block). Last, half of the schedules get a pool that holds their largest
 request and no more, in place of the fitted one: every block a later request needs evicts a cached one.
 
 Prompt logprobs: a request still to score its prompt takes no hit (engine/prompt_logprobs.py), so they

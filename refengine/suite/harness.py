@@ -97,8 +97,8 @@ baselines = MemoizedBaselines()
 
 def coverage(schedule: dict, trace: list[dict]) -> set[str]:
     """The batching situations (COVERAGE) a run met."""
-    prompt_len = {child.id: len(r["prompt_ids"]) for r in schedule["requests"]  # an n > 1 request runs as its children
-                  for child in children(parse_schedule({"requests": [r]}, "coverage").requests[0])}
+    prompt_len = {child.id: len(child.prompt["prompt_ids"])  # an n > 1 request runs as its children
+                  for r in parse_schedule(schedule, "coverage").requests for child in children(r)}
     seen = {"logprobs requested"} if any("logprobs" in r for r in schedule["requests"]) else set()
     if any("prompt_logprobs" in r for r in schedule["requests"]):
         seen.add("prompt logprobs requested")

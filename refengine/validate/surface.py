@@ -41,9 +41,9 @@ from .client import Completion, Endpoint, ServerError
 from .dialect import REFUSAL_STATUSES, Dialect, names, send
 
 PARAMETERS = ("logit_bias", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty")
-REPORTS = {"prompt_logprobs": ("completions", "chat"), "echo": ("completions",),  # parameter -> the APIs probed
-           "n": ("completions", "chat")}
 N = 2  # answers the probe asks for
+REPORTS = {"prompt_logprobs": (("completions", "chat"), 1), "echo": (("completions",), True),  # parameter ->
+           "n": (("completions", "chat"), N)}                                                # (APIs probed, value)
 PROBE_TIMEOUT_S = 60.0  # one short greedy answer each: a server that takes longer (a faulty engine that never
 # ends a request) is an `error` for that parameter, not a run held for --timeout
 FINDINGS = ("ignored", "wrong")
@@ -110,7 +110,7 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
     server's `api` on the case `body` (a whole greedy request)."""
     salt = dialect.cache_salt("cold", f"surface-{api}")
     endpoint = Endpoint(endpoint.url, min(endpoint.timeout, PROBE_TIMEOUT_S))
-    reports = [name for name, apis in REPORTS.items() if api in apis]
+    reports = [name for name, (apis, _) in REPORTS.items() if api in apis]
     dialect.surface_requests += 1 + len(PARAMETERS) + len(reports)
     try:
         plain = send(endpoint, api, body, None, dialect, salt=salt)
@@ -132,7 +132,7 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
             else "no step of its plain answer where the penalty must change it (or no logprobs)"
         tests[name] = ({name: PENALTY}, step, why)
     tests["repetition_penalty"] = ({"repetition_penalty": 1.5}, None, "its effect needs the logits' signs")
-    tests |= {name: ({name: {"prompt_logprobs": 1, "n": N}.get(name, True)}, None, "") for name in reports}
+    tests |= {name: ({name: REPORTS[name][1]}, None, "") for name in reports}
     probed = {"logit_bias", "frequency_penalty", "presence_penalty"}
     out = {}
     for name, (fields, step, why) in tests.items():
