@@ -14,7 +14,7 @@
   the examples were made with (tests/test_docs.py fails when they no longer match: regenerate).
 
 Everything runs in a scratch folder against `refengine serve` on 127.0.0.1 (clean, with a batching
-fault, and bf16 copies of the models) and `transformers serve` in bf16 (the parity extra): a few
+fault, and bf16 copies of the models) and `transformers serve` in float32 and bf16 (the parity extra): a few
 minutes on two cores. Times, ports and ids in the
 outputs are those of the run.
 """
@@ -221,22 +221,33 @@ def manifest() -> dict:
             "schedule_sha256": hashlib.sha256(shipped("examples", "join_leave.json").read_bytes()).hexdigest()}
 
 
-def transformers_bf16(work: Work) -> None:
-    """A bf16 board as users meet one: HF `transformers serve --continuous-batching --dtype bfloat16` on
-    the CPU serving the random-weight tiny model (no token ids, no logprobs), judged with the bf16 bound
-    and margins measured by the float64 reference on the same folder (needs the parity extra)."""
-    model, port = work.root / "models" / "tiny-random", free_port()
-    server = subprocess.Popen([sys.executable, "-c", "from transformers.cli.transformers import main; main()",
-                               "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-                               "--device", "cpu", "--dtype", "bfloat16", str(model)],
-                              cwd=work.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    work.servers.append(server)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, server)
+def transformers_cpu(work: Work) -> None:
+    """HF `transformers serve --continuous-batching` on the CPU serving the random-weight tiny model (no
+    token ids, no logprobs), as users meet it: in float32 against the golden file, and in bf16 judged
+    with the bf16 bound and margins measured by the float64 reference on the same folder (needs the
+    parity extra)."""
+    url = transformers_serve(work, "float32")
+    work.run(["refengine", "validate", "--url", url, "--golden", "refengine/data/golden/tiny-random.jsonl",
+              "--concurrency", "6", "--seed", "1", "--report", "report-transformers-f32.json",
+              "--repro", "repro-transformers-f32.json"], "validate-transformers-f32")
+    url = transformers_serve(work, "bfloat16")
     work.run(["refengine", "validate", "--url", url, "--golden", "refengine/data/golden/tiny-random.jsonl",
               "--precision", "bf16", "--model", "models/tiny-random", "--concurrency", "8", "--seed", "1",
               "--report", "report-transformers-bf16.json", "--repro", "repro-transformers-bf16.json",
               "--plot-margins", str(IMAGES / "validate-margins-bf16.png")], "validate-transformers-bf16")
+
+
+def transformers_serve(work: Work, dtype: str) -> str:
+    """Start `transformers serve --continuous-batching` in `dtype` on the tiny random model; its URL."""
+    model, port = work.root / "models" / "tiny-random", free_port()
+    server = subprocess.Popen([sys.executable, "-c", "from transformers.cli.transformers import main; main()",
+                               "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                               "--device", "cpu", "--dtype", dtype, str(model)],
+                              cwd=work.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work.servers.append(server)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, server)
+    return url
 
 
 def free_port() -> int:
@@ -257,7 +268,7 @@ def wait_healthy(url: str, server: subprocess.Popen, deadline_s: float = 300) ->
     raise SystemExit(f"{url}: transformers serve did not come up")
 
 
-STAGES = {"in-process": in_process, "servers": against_servers, "transformers serve bf16": transformers_bf16,
+STAGES = {"in-process": in_process, "servers": against_servers, "transformers serve": transformers_cpu,
           "bench plots": bench_plots}
 
 

@@ -147,7 +147,8 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(default_model, tmp_pa
     try:
         report = tmp_path / "report.json"
         code = main(["validate", "--url", server.url, "--prompts", str(prompts), "--concurrency", "8",
-                     "--arrival-spread", "0", "--cancel-rate", "0", "--seed", "1", "--report", str(report),
+                     "--arrival-spread", "0", "--cancel-rate", "0", "--seed", "1", "--variant-rate", "0",
+                     "--report", str(report),
                      "--repro", str(tmp_path / "repro.json")])
         max_batch = server.engine.metrics["max_batch_size"]
     finally:

@@ -4,7 +4,7 @@ vLLM, llama.cpp and HF `transformers serve` do — ids in other places or none a
 trailing incomplete character held back — and validate must judge every answer, not the dialect. A
 server that answers from a golden file cannot apply logits processors, prompt logprobs, echo or n: these
 refuse them by name (HF's refuses every field it does not know), which the surface probe records as
-refused."""
+refused. Like the real one, the HF dialect writes the special tokens an answer generates into its text."""
 from __future__ import annotations
 
 import json
@@ -47,13 +47,14 @@ def unsettled_from(case) -> int:
 class Answer:
     """A golden case cut to the request's max_tokens: ids, the text piece each token shows, finish reason."""
 
-    def __init__(self, case, max_tokens: int, hold_back: bool):
+    def __init__(self, case, max_tokens: int, hold_back: bool, specials: dict[int, str]):
         n = min(max_tokens, len(case.token_ids))
         self.ids = case.token_ids[:n]
-        self.pieces = [case.piece(i) for i in range(n)]
+        self.finish = case.finish_reason if n == len(case.token_ids) else "length"
+        stopped = n if self.finish == "length" else n - 1  # the eos it stopped on is not written
+        self.pieces = [specials[t] if t in specials and i < stopped else case.piece(i) for i, t in enumerate(self.ids)]
         if hold_back and n == len(case.token_ids) and unsettled_from(case) < n:
             self.pieces[-1] = ""  # the incomplete character at the end is never sent
-        self.finish = case.finish_reason if n == len(case.token_ids) else "length"
         self.prompt_ids = case.prompt_ids
 
 
@@ -96,7 +97,8 @@ def dialect_server(golden, dialect: str):
             processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo", "n"})
             if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
                 return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
-            answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"))
+            answer = Answer(find(api, body), body.get("max_tokens", 16), hold_back=dialect in ("held-back", "hf"),
+                            specials=golden.special_tokens if dialect == "hf" else {})  # HF writes them
             logprobs = body.get("logprobs") and (api == "completions" or body.get("top_logprobs"))
             if body.get("stream"):
                 return self.stream(api, body, answer, bool(logprobs))
@@ -183,6 +185,10 @@ def test_every_answer_matches_whatever_the_dialect(serve, golden, dialect, compa
     assert {r["compared_by"] for r in records} == {compared_by}
     assert {r["streamed"] for r in records} == {True, False}
     assert report["summary"]["cancelled"] > 0
+    if dialect != "hf":  # these refuse every variant by name (a 400): each went as its case, sent alone too
+        refused = report["variants"]["refused"]
+        assert refused and not report["variants"]["sent"] and not report["summary"]["alone_errors"]
+        assert {key.split("+")[0] for key in refused} <= {r["case"] for r in report["alone"] if r["verdict"] == "match"}
 
 
 def test_vllm_ids_come_with_return_token_ids_and_prompt_ids_are_checked(serve, golden):
@@ -211,6 +217,9 @@ def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(ser
     assert code == 0, out
     assert "the server refuses return_token_ids" in out and "without data: [DONE] (accepted as complete)" in out
     assert "chat: the server reports no token ids; answers compared by text" in out
+    assert "came with special tokens written in their text (<|im_start|>: a server that does not skip them)" in out
+    # every variant drawn is refused by name (422): a note each, no alone error, the case sent instead
+    assert "refused alone, sent as its case: /v1/" in out and "\nalone " not in out and "alone_errors" not in out
     report = run(url, golden)
     assert report["dialect"]["return_token_ids"] == "refused" and report["dialect"]["no_done_marker"]
     assert report["dialect"]["apis"]["chat"] == {"token_ids_from": None, "logprobs_requested": False,  # refused

@@ -47,7 +47,8 @@ def run(model, golden, fault=None, **settings) -> dict:
     server = OpenAIServer(model, EngineConfig(max_num_seqs=4, fault=fault), host="127.0.0.1")
     server.start()
     try:
-        return validate(server.url, Cases.of_golden(golden), Settings(concurrency=4, seed=1, **settings))
+        return validate(server.url, Cases.of_golden(golden),
+                        Settings(concurrency=4, seed=1, variant_rate=0.0, **settings))
     finally:
         server.close()
 
@@ -250,6 +251,51 @@ def test_a_stripped_text_only_answer_matches_and_says_so(golden):
         Planned("x", case, "completions", 0.0, False, None),
         Completion("X" + case.text.lstrip()[1:], None, None, case.finish_reason, False))
     assert changed["verdict"] == "diverged"
+
+
+def test_an_answer_with_its_special_tokens_written_matches_the_golden_one_decoded_alike(tiny_model_dir):
+    """transformers serve decodes without skipping special tokens: tiny-random's another-drink generates
+    <|im_start|>, which the golden text skips and its text shows. The expected text is the tokenizer's
+    own decode of the golden tokens, specials kept."""
+    from dataclasses import replace
+
+    from refengine.model.tokenizer import Tokenizer
+    from refengine.validate.baseline import GoldenBaseline
+    from refengine.validate.plan import Planned
+    from refengine.validate.wire import Completion
+    golden = read_golden(shipped("golden", "tiny-random.jsonl"))
+    tokenizer = Tokenizer(tiny_model_dir)
+    case = next(c for c in golden.cases if any(t in golden.special_tokens for t in c.token_ids))
+    written = tokenizer.decode(case.token_ids, skip_special_tokens=False)
+    assert written != case.text and golden.special_tokens == tokenizer.special_tokens()
+    rendered = case.with_special_tokens(golden.special_tokens)
+    assert rendered.text == written
+    for step in range(len(case.token_ids)):  # each offset: the text settled once that token is decoded
+        assert rendered.text_offsets[step] == len(
+            tokenizer.decode(case.token_ids[:step + 1], skip_special_tokens=False).rstrip("\ufffd"))
+
+    def judge(golden, text):
+        return GoldenBaseline(golden, golden.tolerance).judge(Planned("x", case, "chat", 0.0, False, None),
+                                                              Completion(text, None, None, case.finish_reason, False))
+    judged = judge(golden, written)
+    assert judged["verdict"] == "match" and judged["special_tokens_rendered"] == ["<|im_start|>"]
+    assert "special_tokens_rendered" not in judge(golden, case.text)  # skipped, as the golden text has it
+    at = written.index("<|im_start|>") + len("<|im_start|>")
+    changed = judge(golden, written[:at] + "Z" + written[at + 1:])
+    assert changed["verdict"] == "diverged" and changed["step"] > 2  # the text after the special still judged
+    unknown = replace(golden, header={k: v for k, v in golden.header.items() if k != "special_tokens"})
+    assert judge(unknown, written)["verdict"] == "diverged"  # a golden file made before the header key
+
+
+def test_a_golden_header_with_malformed_special_tokens_is_refused(tmp_path):
+    lines = shipped("golden", "tiny-random.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    header["special_tokens"] = {"<|im_start|>": 1}
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    with pytest.raises(RefengineError, match="special_tokens") as excinfo:
+        read_golden(path)
+    assert str(path) in str(excinfo.value)
 
 
 def test_a_bound_measured_on_the_model_is_kept_by_fingerprint_and_precision(tmp_path, monkeypatch):

@@ -2,8 +2,9 @@
 profile's example budget finds a failing schedule, shrinks it to at most 3 requests and writes a
 repro that `refengine replay` (fault set through REFENGINE_FAULT) reproduces, while the same repro
 replays clean without the fault. Each fault is hunted by a property that catches it; the scheduler+KV
-state machine also catches the two that break the KV accounting. Two are reachable only through the
-scheduling policies other than fcfs (a decode after a prefill chunk in one step):
+state machine also catches the six that break the KV accounting or share a block that is not to be
+shared. Two are reachable only through the scheduling policies other than fcfs (a decode after a prefill
+chunk in one step):
 chunk-order-dependent-logits-row and decode-context-after-prefill. abort-after-finish-rewrites-finish
 is caught by the finish-semantics property (refengine/suite/test_finish.py); `refengine replay` sees it
 as an engine failure (the engine's own check: exactly one final event per finished request).
@@ -115,7 +116,10 @@ CAUGHT_BY = {
     "fork-before-prefill-done": "n-answers-are-exact",
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
-                         "evicted-block-still-cached": "holds other KV than when it was registered",
+                         "evicted-block-still-cached":
+                             "holds other KV than when it was registered|reads KV computed for something else",
+                         "forked-partial-block-shared": "a full block of the prompt siblings forked|holds other KV",
+                         "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else"}
 
 

@@ -106,7 +106,7 @@ def validate_text_only(default_model, tmp_path, prompts, fault, *extra) -> tuple
         report = tmp_path / "report.json"
         code = main(["validate", "--url", f"http://127.0.0.1:{proxy.server_address[1]}", "--prompts", str(prompts),
                      "--concurrency", "8", "--arrival-spread", "0", "--cancel-rate", "0", "--seed", "1",
-                     "--report", str(report), "--repro", str(tmp_path / "repro.json"), *extra])
+                     "--variant-rate", "0", "--report", str(report), "--repro", str(tmp_path / "repro.json"), *extra])
     finally:
         proxy.shutdown()
         server.close()

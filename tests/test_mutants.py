@@ -7,8 +7,9 @@ the cache groups and salts, check/prefix_cache, refengine/sampling.py's finish, 
 log-softmax rules, which the shipped properties hold to check/output_oracle, the oracle's min_tokens
 rules, the processed-row comparison and its noise gain, validate/surface's probe, the prompt-logprob
 comparisons (check/comparison, validate/baseline), the reading of prompt logprobs, of choices and of a
-refusal's field name, and the children of an n > 1 request the judge expects (slow: a pytest run per
-mutant)."""
+refusal's field name, the children of an n > 1 request the judge expects, every choice judged, and the
+variants the load sends (validate/plan, board, variants' report), and golden answers decoded with
+their special tokens written (check/golden, validate/baseline; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -32,6 +33,11 @@ T_PROBE = ["tests/test_invariants_http.py", "-k", "ignores_processors"]
 COMPARISON, T_PROMPT = "refengine/check/comparison.py", ["tests/test_prompt_logprobs.py"]
 T_FORKS = ["tests/test_forks.py"]
 BASELINE, T_BASELINES = "refengine/validate/baseline.py", ["tests/test_validate_baselines.py", "-k", "prompt_logprobs"]
+WIRE, BOARD, PLAN = (f"refengine/validate/{m}.py" for m in ("wire", "board", "plan"))
+T_CHOICES = ["tests/test_validate_baselines.py", "-k", "choice"]
+T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
+T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
+              "variant or every_answer or clean_server or passes"]
 
 MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (ABORTS, "(to_come(r) or 0) > ABORT_SLACK", "(to_come(r) or 0) >= ABORT_SLACK", T_ABORTS),
@@ -98,7 +104,8 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     ("refengine/check/replay.py", "if config.enable_prefix_caching and failure is None:", "if False:",
      ["tests/test_prefix_caching.py"]),
     # the rules refengine/sampling.py gives the engine and the reference alike: check.output_oracle's own
-    (SAMPLING, "any(s and s in text for s in params.stop)", "any(s and text.endswith(s) for s in params.stop)",
+    (SAMPLING, "any(s and s in text[max(0, stop_from - len(s) + 1):] for s in params.stop)",
+     "any(s and text.endswith(s) for s in params.stop)",
      T_STREAMING),
     (SAMPLING, "if num_generated >= params.max_tokens:", "if num_generated > params.max_tokens:", T_STREAMING),
     (SAMPLING, "return text[:min(cuts)] if cuts else text", "return text[:max(cuts)] if cuts else text", T_STREAMING),
@@ -149,13 +156,51 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "return re.search(re.escape(field)", ["tests/test_dialects.py", "-k", "names_a_field"]),
     ("refengine/validate/wire.py", "if len(values) != len(entry) or None in values.values():", "if False:",
      T_SURFACE),
-    ("refengine/validate/wire.py", "            if index != 0:  # another answer",
-     "            if False:  # another answer", T_SURFACE),
+    (WIRE, "if not isinstance(index, int) or isinstance(index, bool) or index == 0:", "if True:", T_SURFACE),
+    (WIRE, "first, *others = sorted(choices, key=lambda c: _index(c, choices))", "first, *others = choices", T_SURFACE),
+    (WIRE, "return index if isinstance(index, int) and not isinstance(index, bool) else", "return", T_SURFACE),
+    (WIRE, "usage = usage_tokens(data) if not others else None", "usage = usage_tokens(data)", T_SURFACE),
+    (WIRE, "usage = None if cancelled or self.others else self.usage", "usage = None if cancelled else self.usage",
+     T_SURFACE),
+    (WIRE, "for i in sorted(self.others)))", "for i in self.others))", T_SURFACE),
+    (BASELINE, "if completion.num_choices != alone.num_choices:", "if False:", T_CHOICES),
+    (BASELINE, 'if k and fields["verdict"] != "match":', 'if fields["verdict"] != "match":', T_CHOICES),
+    (BASELINE, 'if fields["verdict"] in ("diverged", "error"):', 'if fields["verdict"] == "diverged":', T_CHOICES),
+    (BASELINE, '(worst["verdict"], fields["verdict"]) == ("match", "explained")', "False", T_CHOICES),
+    (BASELINE, 'if getattr(p.case, "fields", None):  # a variant', "if False:  # a variant", T_VARIANTS),
+    (BOARD, 'r.get("variant") and r["verdict"] == "error" and r.get("status") in REFUSAL_STATUSES',
+     'r.get("variant") and r["verdict"] == "error"', T_VARIANTS),
+    (BOARD, 'r.get("variant") and r["verdict"] == "error" and', 'r["verdict"] == "error" and', T_VARIANTS),
+    (BOARD, "return alone, records + _send_each(", "return alone, records or _send_each(", T_VARIANTS),
+    (BOARD, 'r["verdict"] == "error" and (r["case"], r["api"]) not in refused for r', 'r["verdict"] == "error" for r',
+     T_VARIANTS),
+    (BOARD, "if self.golden is None or isinstance(p.case, ProcessedCase):", "if self.golden is None:", T_VARIANTS),
+    (BOARD, "counts[r[\"verdict\"]] = counts.get(r[\"verdict\"], 0) + 1", "counts[r[\"verdict\"]] = 1", T_VARIANTS),
+    (PLAN, "if pick.random() < settings.variant_rate:", "if pick.random() <= settings.variant_rate / 2:", T_VARIANTS),
+    (PLAN, "case = case if (variant.id, case_api(variant, settings.api, source)) in refused else variant",
+     "case = variant", T_VARIANTS),
+    (PLAN, 'rng, pick = random.Random(settings.seed), random.Random(f"{settings.seed}:variants")',
+     "rng = pick = random.Random(settings.seed)", T_VARIANTS),
+    (PLAN, "            p = replace(p, case=p.case.base)\n", "", T_VARIANTS),
+    ("refengine/validate/load.py", 'status = {"status": e.status} if', "status = {} if", T_VARIANTS),
+    ("refengine/validate/precision.py", 'in ("explained", "diverged") and not r.get("variant")]',
+     'in ("explained", "diverged")]', ["tests/test_precision.py", "-k", "variant"]),
+    ("refengine/validate/report.py", 'if r["verdict"] == "error" and f"{r[\'case\']}@{r[\'api\']}" not in refused:',
+     'if r["verdict"] == "error":', ["tests/test_dialects.py", "-k", "hf_serve_refuses"]),
+    ("refengine/validate/report.py", 'for name, counts in sorted(v["sent"].items())) or "none"',
+     'for name, counts in v["sent"].items()) or "none"', T_VARIANTS),
     (SURFACE, "        if got.num_choices == N:\n", "        if got.num_choices >= N:\n", T_SURFACE),
     (SURFACE, 'verdict = "ignored" if got.num_choices == 1 else "wrong"', 'verdict = "ignored"', T_SURFACE),
     ("refengine/check/schedule.py", "seed=None if params.seed is None else params.seed + k))", "seed=params.seed))",
      T_FORKS),
     ("refengine/check/replay.py", "for child in children(r)]", "for child in children(r)[:1]]", T_FORKS),
+    (BASELINE, "if t in specials and specials[t] in got_text}", "if t in specials}", T_SPECIALS),
+    (BASELINE, "if t in specials and specials[t] in got_text}", "if False}", T_SPECIALS),
+    (BASELINE, '({"special_tokens_rendered": rendered} if rendered else {})', "{}", T_SPECIALS),
+    ("refengine/check/golden.py", "                moved += len(specials[token])\n            offsets.append(",
+     "            offsets.append(", T_SPECIALS),
+    ("refengine/check/golden.py", "any(not k.isdigit() or not isinstance(v, str) or not v", "any(not v", T_SPECIALS),
+    ("refengine/validate/report.py", "    if rendered:\n", "    if False:\n", T_SPECIALS),
 ]
 
 

@@ -38,7 +38,7 @@ def run_validate(tiny_model, golden, engine: EngineConfig, **settings) -> dict:
     server = OpenAIServer(tiny_model, engine, host="127.0.0.1")
     server.start()
     try:
-        return validate(server.url, Cases.of_golden(golden), Settings(**settings))
+        return validate(server.url, Cases.of_golden(golden), Settings(**{"variant_rate": 0.0, **settings}))
     finally:
         server.close()
 
@@ -70,7 +70,7 @@ def expected_steps(records: list[dict], golden) -> int:
     explained or diverged answer on those before its first divergence."""
     cases = {c.id: c for c in golden.cases}
     return sum(len(cases[r["case"]].token_ids) if r["verdict"] == "match" else r["step"]
-               for r in records if r["verdict"] in ("match", "explained", "diverged"))
+               for r in records if r["verdict"] in ("match", "explained", "diverged") and not r.get("variant"))
 
 
 def test_golden_top1_is_the_golden_token(golden):
@@ -187,3 +187,17 @@ def test_the_plot_writes_a_png(healthy, golden, tmp_path):
     deltas, _ = agreeing_deltas(healthy["requests"], golden)
     other = plot_precision({k: v for k, v in p.items() if k != "deltas"}, deltas, tmp_path / "again.png")
     assert other.stat().st_size > 0
+
+
+def test_a_variants_divergence_is_not_a_precision_one():
+    """A variant (validate.variants) was judged against its own alone answer: the golden file has no answer
+    to its fields, so its divergence says nothing of the server's precision."""
+    from refengine.validate.precision import precision
+    golden = read_golden(shipped("golden/tiny-random.jsonl"))
+    case = golden.cases[0]
+    logprobs = [top[0][1] for top in case.top_logprobs]
+    plain = {"id": "a", "case": case.id, "verdict": "explained", "step": 1, "margin": 0.01,
+             "token_ids": case.token_ids, "logprobs": logprobs}
+    variant = {**plain, "id": "b", "case": f"{case.id}+n", "variant": "n"}
+    report = precision([plain, variant], golden)
+    assert [d["id"] for d in report["divergences"]] == ["a"] and report["records"] == 1

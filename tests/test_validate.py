@@ -308,3 +308,45 @@ def test_a_hang_up_counts_what_the_server_had_already_sent():
     records = [{"tokens": 1, "unread_tokens": c.unread[0], "unread_end": c.unread[1]} for c in (whole, part)]
     assert [tokens_to_come(r, 60) for r in records] == [0, 50]
     assert tokens_to_come({"tokens": None}, 60) is None and tokens_to_come({"tokens": 3}, None) is None
+
+
+def test_a_quarter_of_the_load_goes_as_variants_drawn_apart_and_a_refused_one_as_its_case():
+    from refengine.check.golden import read_golden
+    from refengine.data import shipped
+    from refengine.validate.plan import Settings, plan
+    cases = read_golden(shipped("golden/tiny-random.jsonl")).cases
+    plain = plan(cases, Settings(variant_rate=0.0, repeat=4), 2.0)
+    mixed = plan(cases, Settings(repeat=4), 2.0)
+    strip = [(p.arrival_s, p.stream, p.cancel_after, p.cache, p.api) for p in plain]
+    assert strip == [(p.arrival_s, p.stream, p.cancel_after, p.cache, p.api) for p in mixed]  # no other draw moved
+    drawn = [p for p in mixed if "+" in p.case.id]
+    assert 0.15 < len(drawn) / len(mixed) < 0.35 and {p.case.variant for p in drawn} == {"penalties", "prompt-logprobs",
+                                                                                          "n", "bias"}
+    assert all(p.id.split("#")[0] == p.case.id and p.case.base in cases for p in drawn)
+    refused = frozenset((p.case.id, p.api) for p in drawn if p.case.variant == "n")
+    again = plan(cases, Settings(repeat=4), 2.0, refused=refused)
+    assert [p.case.id for p in again] == [p.case.base.id if (p.case.id, p.api) in refused else p.case.id for p in mixed]
+
+
+def test_only_a_variants_4xx_alone_is_a_refusal():
+    from refengine.validate.board import refused_variants
+    records = [{"case": "a+n", "api": "chat", "variant": "n", "verdict": "error", "error": "n", "status": 422},
+               {"case": "a+bias", "api": "chat", "variant": "bias", "verdict": "error", "error": "boom", "status": 500},
+               {"case": "a+penalties", "api": "chat", "variant": "penalties", "verdict": "error", "error": "reset"},
+               {"case": "a", "api": "chat", "verdict": "error", "error": "bad", "status": 400},
+               {"case": "a+n", "api": "completions", "variant": "n", "verdict": "answered"}]
+    assert refused_variants(records) == {("a+n", "chat"): "n"}
+
+
+def test_the_report_counts_each_variants_verdicts_and_names_the_refused_ones():
+    from refengine.validate.board import variant_report
+    from refengine.validate.report import format_variants
+    requests = [{"variant": "n", "verdict": "match"}, {"variant": "n", "verdict": "diverged"}, {"verdict": "match"},
+                {"variant": "n", "verdict": "match"}, {"variant": "bias", "verdict": "cancelled"}]
+    report = variant_report(requests, {("a+prompt-logprobs", "chat"): "HTTP 422: no"}, 0.25)
+    assert report == {"rate": 0.25, "sent": {"n": {"match": 2, "diverged": 1}, "bias": {"cancelled": 1}},
+                      "refused": {"a+prompt-logprobs@chat": "HTTP 422: no"}}
+    assert format_variants(report) == [
+        "variants (rate 0.25, each judged against its own alone answer): bias 1 (1 cancelled); "
+        "n 3 (1 diverged, 2 match)",
+        "note: variant a+prompt-logprobs@chat refused alone, sent as its case: HTTP 422: no"]

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ from refengine.validate.baseline import judge_serial, prompt_logprobs_difference
 from refengine.validate.board import send_alone, served_model
 from refengine.validate.client import Endpoint
 from refengine.validate.plan import Planned
-from refengine.validate.wire import Completion
+from refengine.validate.wire import Completion, TokenLogprob
 
 GOLDEN = shipped("golden", "tiny-random.jsonl")
 JOIN_LEAVE_FAULTS = ("position-off-by-one-on-join", "logits-rows-misassigned-after-leave")
@@ -46,8 +47,11 @@ def prompts_file(tmp_path_factory):
 def serve(tiny_model):
     servers = []
 
-    def start(fault=None, **engine):
+    def start(fault=None, step_s=0.0, **engine):
         server = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, fault=fault, **engine), host="127.0.0.1")
+        if step_s:  # a device's pace: each step takes at least step_s (the engine thread is its only caller)
+            step = server.engine.step
+            server.engine.step = lambda: (time.sleep(step_s), step())[1]
         server.start()
         servers.append(server)
         return server.url
@@ -90,7 +94,13 @@ def test_a_clean_server_passes_the_serial_baseline_bit_identical(serve, tmp_path
     compared = [r for r in report["requests"] if r["verdict"] != "cancelled"]
     assert compared and {r["verdict"] for r in compared} == {"match"}
     assert {r["compared_by"] for r in compared} == {"token_ids"}
-    assert len(report["alone"]) == len(read_golden(GOLDEN).cases)  # each case once alone, before the load
+    loaded = {(r["case"], r["api"]) for r in report["requests"]}  # cases and variants, each once alone before
+    assert sorted((r["case"], r["api"]) for r in report["alone"]) == sorted(loaded)
+    variants = [r for r in report["requests"] if r.get("variant")]  # a quarter go as a variant of their case
+    assert variants and all(r["case"].endswith(f"+{r['variant']}") for r in variants)
+    assert not report["variants"]["refused"]
+    assert sum(report["variants"]["sent"][v].get("match", 0) for v in report["variants"]["sent"]) == \
+        sum(r["verdict"] == "match" for r in variants)
     assert all(r["logprobs"] for r in report["alone"])  # the server's own margins are at hand
     assert report["overlap"]["fraction"] >= 0.5 and report["overlap"]["max_in_flight"] > 1
     assert not (tmp_path / "repro.json").exists()
@@ -137,8 +147,11 @@ def test_a_serial_divergence_is_explained_only_at_the_servers_own_margin(serve):
 def test_a_hang_up_the_server_does_not_abort_fails_the_run(serve, tmp_path, fault):
     """Long answers that the client leaves early must be counted as aborts by the server's status: the
     longest one hung up alone is always held to it (validate.board.lone_hang_up); under load, those a
-    status read shows unfinished after their hang-up."""
-    code, report = validate(tmp_path, "--url", serve(fault), "--golden", str(GOLDEN), "--cancel-rate", "0.5")
+    status read shows unfinished after their hang-up. At the tiny model's CPU pace the longest answer
+    (64 tokens) could end within one status poll, its hang-up then unproven (seen under pytest -n 2):
+    at 4 ms a step it runs ten polls past it."""
+    code, report = validate(tmp_path, "--url", serve(fault, step_s=0.004), "--golden", str(GOLDEN),
+                            "--cancel-rate", "0.5", "--variant-rate", "0")
     aborts = report["drain"]["aborts"]
     longest = max(read_golden(GOLDEN).cases, key=lambda c: len(c.token_ids))
     assert aborts["alone"]["id"].startswith(f"{longest.id}@") and aborts["alone"]["must"] == [aborts["alone"]["id"]]
@@ -209,3 +222,47 @@ def test_the_serial_baseline_fails_prompt_logprobs_that_moved_under_load():
     assert baseline.judge(planned, alone)["verdict"] == "match"
     record = baseline.judge(planned, replace(alone, prompt_logprobs=[None, {2: -1.5}]))
     assert (record["verdict"], record["compared_by"]) == ("diverged", "prompt_logprobs") and "token 2" in record["note"]
+
+
+def answer(ids, margins=(5.0, 5.0), finish="length") -> Completion:
+    return Completion("".join(chr(97 + i) for i in ids), ids, [1, 2], finish, False, "token_ids",
+                      logprobs=[TokenLogprob(-0.1, (-0.1, -0.1 - m)) for m in margins])
+
+
+@pytest.mark.parametrize("others, verdict, choice", [
+    ((answer([7, 9]),), "match", None),
+    ((answer([7, 9]),), "diverged", None),                         # the first answer moved: no `choice`
+    ((answer([7, 8]),), "diverged", 1),                            # the second answer moved
+    ((answer([7, 9]), answer([3, 4])), "error", None),             # a choice more than alone
+    ((), "error", None),                                           # a choice fewer
+    ((answer([7, 9], finish="stop"),), "error", 1),                # its finish reason moved
+])
+def test_every_choice_of_n_is_judged_against_the_alone_answers_choice_at_its_index(others, verdict, choice):
+    from dataclasses import replace
+
+    from refengine.check.golden import GoldenCase
+    from refengine.validate.baseline import SerialBaseline
+    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="hi",
+                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
+    alone = replace(answer([7, 8]), others=(answer([7, 9]),))
+    first = answer([7, 3]) if (verdict, choice) == ("diverged", None) else answer([7, 8])
+    record = SerialBaseline({("c", "completions"): alone}, 0.01).judge(
+        Planned("r0", case, "completions", 0.0, False, None), replace(first, others=others))
+    assert (record["verdict"], record.get("choice")) == (verdict, choice), record
+
+
+def test_an_explained_choice_after_the_first_is_the_verdict_and_a_diverged_one_wins_over_it():
+    from dataclasses import replace
+
+    from refengine.check.golden import GoldenCase
+    from refengine.validate.baseline import SerialBaseline
+    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="hi",
+                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
+    near = answer([7, 9], margins=(5.0, 0.001))  # a near-tie at step 1: a flip there is explained
+    alone = replace(answer([7, 8]), others=(near, near))
+    baseline, planned = SerialBaseline({("c", "completions"): alone}, 0.01), Planned("r0", case, "completions", 0.0,
+                                                                                    False, None)
+    explained = baseline.judge(planned, replace(answer([7, 8]), others=(near, answer([7, 3]))))
+    assert (explained["verdict"], explained["choice"], explained["step"]) == ("explained", 2, 1)
+    diverged = baseline.judge(planned, replace(answer([7, 8]), others=(answer([7, 3]), answer([2, 9]))))
+    assert (diverged["verdict"], diverged["choice"], diverged["step"]) == ("diverged", 2, 0)

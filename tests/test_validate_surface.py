@@ -7,14 +7,8 @@ import pytest
 
 from refengine.check.golden import GoldenCase
 from refengine.validate.repro import planned_from
-from refengine.validate.surface import (
-    ProcessedCase,
-    _reported,
-    ignored,
-    must_change_at,
-    surface_notes,
-    variants,
-)
+from refengine.validate.surface import _reported, ignored, must_change_at, surface_notes
+from refengine.validate.variants import ProcessedCase, variants
 from refengine.validate.wire import Completion, Stream, TokenLogprob, whole
 
 
@@ -96,18 +90,44 @@ def test_prompt_logprobs_are_applied_only_where_every_prompt_token_has_its_entry
 
 @pytest.mark.parametrize("choices, verdict", [(2, "applied"), (1, "ignored"), (3, "wrong")])
 def test_n_is_applied_only_where_the_answer_carries_n_choices(choices, verdict):
-    got = Completion("x", None, None, "length", False, num_choices=choices)
+    got = Completion("x", None, None, "length", False, others=(text("x"),) * (choices - 1))
     assert _reported("n", text("x"), got)["verdict"] == verdict
 
 
-@pytest.mark.parametrize("choices", [[{"index": 0, "text": "a"}],
-                                     [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]])
-def test_the_first_choice_is_read_and_the_others_counted(choices):
-    assert (whole({"choices": choices}).text, whole({"choices": choices}).num_choices) == ("a", len(choices))
+CHOICES = [{"index": 0, "text": "a", "token_ids": [5, 6], "finish_reason": "length"},  # as a server may send them:
+           {"index": 2, "text": "c", "token_ids": [8, 9], "finish_reason": "length"},  # not in index order
+           {"index": 1, "text": "b", "token_ids": [7], "finish_reason": "stop"}]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_every_choice_is_read_in_index_order(count):
+    choices = sorted(CHOICES[:count], key=lambda c: c["index"])
+    got = whole({"choices": CHOICES[:count], "usage": {"completion_tokens": 99}})
     stream = Stream()
-    for choice in choices:  # streamed: a chunk per choice
-        stream.add({"choices": [choice]})
-    assert (stream.completion(False, True).text, stream.completion(False, True).num_choices) == ("a", len(choices))
+    for choice in CHOICES[:count]:  # streamed: the choices' pieces interleaved, a token per chunk
+        for k, token in enumerate(choice["token_ids"]):
+            piece = {"index": choice["index"], "text": choice["text"] if k == 0 else "", "token_ids": [token]}
+            stream.add({"choices": [piece | ({"finish_reason": choice["finish_reason"]}
+                                             if k == len(choice["token_ids"]) - 1 else {})]})
+    streamed = stream.completion(False, True)
+    for answer in (got, streamed):
+        read = [(c.text, c.token_ids, c.finish_reason) for c in (answer, *answer.others)]
+        assert read == [(c["text"], c["token_ids"], c["finish_reason"]) for c in choices]
+        assert answer.num_choices == count
+
+
+def test_usage_checks_logprob_ids_only_of_a_lone_choice():
+    """usage counts every choice's tokens: against one choice's logprobs it would set its ids aside."""
+    content = [{"id": 5, "logprob": -1.0}, {"id": 6, "logprob": -1.0}]
+    choice = {"index": 0, "text": "ab", "logprobs": {"content": content}}
+    usage = {"completion_tokens": 4}
+    assert whole({"choices": [choice], "usage": usage}).token_ids is None
+    assert whole({"choices": [choice, {**choice, "index": 1}], "usage": usage}).token_ids == [5, 6]
+    for choices, ids in (([choice], None), ([choice, {**choice, "index": 1}], [5, 6])):  # streamed: the same
+        stream = Stream()
+        stream.add({"choices": choices})
+        stream.add({"choices": [], "usage": usage})
+        assert stream.completion(False, True).token_ids == ids
 
 
 def test_a_wrong_answer_is_a_finding_and_an_unsupported_extension_a_note():

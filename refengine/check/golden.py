@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -95,6 +95,19 @@ class GoldenCase:
         """The text token `step` settles (empty while a multi-byte character is still incomplete)."""
         return self.text[len(self.text_before(step)):self.text_offsets[step]]
 
+    def with_special_tokens(self, specials: dict[int, str]) -> GoldenCase:
+        """This answer as a server that does not skip special tokens decodes it: each special token's
+        text written where it stands (decoders split at added tokens, so the text around it is the
+        same), the offsets after it moved on by that much."""
+        text, offsets, moved = self.text, [], 0
+        for step, token in enumerate(self.token_ids):
+            if token in specials:
+                at = (self.text_offsets[step - 1] if step else 0) + moved
+                text = text[:at] + specials[token] + text[at:]
+                moved += len(specials[token])
+            offsets.append(self.text_offsets[step] + moved)
+        return replace(self, text=text, text_offsets=offsets)
+
 
 @dataclass(frozen=True)
 class Golden:
@@ -105,6 +118,11 @@ class Golden:
     @property
     def fingerprint(self) -> str:
         return self.header["model_fingerprint"]
+
+    @property
+    def special_tokens(self) -> dict[int, str]:
+        """The model's special tokens by id (header `special_tokens`; none in files made before it)."""
+        return {int(i): content for i, content in self.header.get("special_tokens", {}).items()}
 
     @property
     def tolerance(self) -> float:
@@ -202,6 +220,8 @@ def golden_header(model: Model, prompts_path: Path, noise: dict, group: int = LO
               "prompts": prompts_path.name, "architecture": model.config.arch,
               "numerics": blas_identity(),  # the BLAS the float64 reference ran on (margins differ in the last bits)
               "lockstep_group": group}
+    if specials := model.tokenizer.special_tokens():  # what a server that renders them writes in its text
+        header["special_tokens"] = {str(i): content for i, content in specials.items()}
     for key, name in RECIPES.items():  # how refengine made this model, so anyone can make it again
         if (recipe := model.path / name).exists():
             header[key] = json.loads(recipe.read_text(encoding="utf-8"))
@@ -324,6 +344,10 @@ def read_golden(path: str | Path) -> Golden:
     if not isinstance(header.get("model_fingerprint"), str) or not isinstance(noise, dict) or \
             any(not isinstance(noise.get(k), (int, float)) for k in NOISE_KEYS):
         raise RefengineError(f"{where}: header needs model_fingerprint and noise.{'/'.join(NOISE_KEYS)}")
+    specials = header.get("special_tokens", {})
+    if not isinstance(specials, dict) or any(not k.isdigit() or not isinstance(v, str) or not v
+                                             for k, v in specials.items()):
+        raise RefengineError(f"{where}: header special_tokens: expected an object of token id -> its text")
     cases = [_parse_case(w, obj) for w, obj in lines[1:]]
     if not cases:
         raise RefengineError(f"{path}: no cases")

@@ -34,7 +34,7 @@ def run_validate(args) -> int:
     settings = Settings(concurrency=args.concurrency, seed=args.seed, cancel_rate=args.cancel_rate,
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
                         repeat=args.repeat, timeout=args.timeout, baseline=baseline, precision=args.precision,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, variant_rate=args.variant_rate)
     cases = load_cases(args.golden, args.prompts)
     return finish(args, validate(args.url, cases, settings, margins=local_margins(args)), cases)
 
@@ -118,6 +118,10 @@ def register(subparsers) -> None:
                    help="seconds over which arrivals are spread (default: requests x the server's alone "
                         "latency / (2 x concurrency), so requests overlap)")
     p.add_argument("--repeat", type=int, default=1, help="send every case this many times")
+    p.add_argument("--variant-rate", type=float, default=Settings.variant_rate,
+                   help="fraction of requests sent as a variant of their case (penalties, logit_bias with "
+                        "min_tokens, prompt_logprobs, n: per-request state under batching), each judged against "
+                        "the server's answer to that variant alone; a variant the server refuses goes as its case")
     p.add_argument("--timeout", type=float, default=600.0, help="socket timeout per request, seconds")
     p.add_argument("--report", metavar="OUT.json", help="write the JSON report here")
     p.add_argument("--repro", metavar="OUT.json", default="validate-repro.json",

@@ -135,6 +135,10 @@ class Tokenizer:
         """The named special tokens that are set, as transformers hands them to chat templates."""
         return {key: value for key in SPECIAL_TOKEN_KEYS if (value := self.special_token(key)) is not None}
 
+    def special_tokens(self) -> dict[int, str]:
+        """The added tokens marked special: the ones decoding with skip_special_tokens drops, by id."""
+        return {i: t.content for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -216,11 +216,15 @@ class Handler(BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """A closed peer makes the socket readable with nothing to read. Called by the engine thread
         too (EngineThread._abort_hung_up), also once this worker has closed the socket: a closed
-        socket (descriptor -1, ValueError) is gone."""
+        socket (descriptor -1, ValueError) is gone. The peek never waits: what made the socket readable
+        may be read by this worker before the engine thread peeks, and a blocking peek would then hold
+        the engine thread, and every request, until the client sends or closes."""
         try:
             poller = select.poll()  # not select(): it fails on descriptors above 1023
             poller.register(self.connection, select.POLLIN)
-            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
         except (OSError, ValueError):
             return True
 

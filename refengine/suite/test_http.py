@@ -74,7 +74,8 @@ from ..validate.plan import Planned, request_body
 from ..validate.precision import agreeing
 from ..validate.report import describe_record
 from ..validate.repro import repro, write_repro
-from ..validate.surface import FINDINGS, probe_surface, variants
+from ..validate.surface import FINDINGS, probe_surface
+from ..validate.variants import variants
 from .harness import PropertyFailure, repro_dir
 
 pytestmark = [pytest.mark.invariants, pytest.mark.http,

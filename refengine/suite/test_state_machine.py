@@ -3,13 +3,16 @@
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
 engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
 chunks: fcfs, prefill-first, shuffled), with prefix caching on or off; an added request may start
-with an earlier one's first tokens, and may carry a cache_salt.
+with an earlier one's first tokens, may carry a cache_salt, may ask for 2 or 3 answers (n: children
+forking a sibling's prompt blocks) and for its prompt's logprobs (no cache hits while it scores them).
 After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
 aborted requests hold no block, a registered hash maps to one block); a registered block a sequence
 holds is registered under that sequence's own hash at that place (chained from its salt through its
 computed tokens: the same KV), and only registered blocks are held by two sequences; a registered
 block's KV (every layer's keys and values) never changes while it stays registered under the same
-hash, shared, cached on the free list or neither (nothing writes into KV another request may take);
+hash, shared, cached on the free list or neither (nothing writes into KV another request may take); a
+block held by several sequences is a registered one or a full block of the prompt that siblings forked
+(never the partial block a fork copies), and its KV never changes while they hold it;
 each running sequence holds
 exactly the blocks its computed tokens need (LLMEngine.check_invariants: and only running sequences
 hold penalty rows); a step never exceeds max_num_batched_tokens or
@@ -58,6 +61,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.failed = False
         self.preemptions: dict[str, int] = {}  # per request, counted from the trace
         self.registered: dict[bytes, tuple[int, bytes]] = {}  # hash -> (block, its KV when first seen registered)
+        self.shared: dict[tuple[int, frozenset], bytes] = {}  # (block, the sequences holding it) -> its KV then
         for _ in range(first_requests):
             self.add(data)
 
@@ -67,7 +71,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             fail(NAME, DEFAULT_MODEL, self.schedule, message, self.fault)
 
     def live(self) -> list[str]:
-        return [r["id"] for r in self.schedule["requests"] if self.engine.output(r["id"]).finish_reason is None]
+        return [i for i in self.sequence_ids() if self.engine.output(i).finish_reason is None]
 
     @precondition(lambda self: len(self.schedule["requests"]) < MAX_REQUESTS)
     @rule(data=st.data())
@@ -81,12 +85,19 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             shared = data.draw(st.integers(1, min(len(theirs), length)), label="shared tokens")
             prompt = theirs[:shared] + prompt[shared:]
         salt = data.draw(st.sampled_from((None, *SALTS)), label="cache_salt")
+        n = data.draw(st.integers(1, 3), label="n")
+        scoring = data.draw(st.booleans(), label="prompt logprobs")
         request_id = f"r{len(self.schedule['requests'])}"
         self.schedule["requests"].append({"id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens,
                                           "arrival_step": self.engine.num_steps,
-                                          **({"cache_salt": salt} if salt else {})})
-        self.engine.add_request(request_id, prompt, params=SamplingParams(max_tokens=max_tokens),
-                                cache_salt=salt)
+                                          **({"cache_salt": salt} if salt else {}), **({"n": n} if n > 1 else {}),
+                                          **({"prompt_logprobs": 0} if scoring else {})})
+        self.engine.add_request(request_id, prompt, cache_salt=salt, params=SamplingParams(
+            max_tokens=max_tokens, n=n, prompt_logprobs=0 if scoring else None))
+
+    def sequence_ids(self) -> list[str]:
+        """Every sequence the requests run as (an n > 1 request's children)."""
+        return [i for r in self.schedule["requests"] for i in self.engine.request_ids(r["id"])]
 
     @precondition(lambda self: self.schedule["requests"])
     @rule(data=st.data())
@@ -123,10 +134,10 @@ class SchedulerKVMachine(RuleBasedStateMachine):
                    f"{config.max_num_batched_tokens} tokens used")
         for request_id in entry["preempted"]:
             self.preemptions[request_id] = self.preemptions.get(request_id, 0) + 1
-        for r in self.schedule["requests"]:
-            got = self.engine.output(r["id"]).num_preemptions
-            self.check(got == self.preemptions.get(r["id"], 0),
-                       f"{r['id']} reports {got} preemptions, the trace shows {self.preemptions.get(r['id'], 0)}")
+        for request_id in self.sequence_ids():
+            got = self.engine.output(request_id).num_preemptions
+            self.check(got == self.preemptions.get(request_id, 0),
+                       f"{request_id} reports {got} preemptions, the trace shows {self.preemptions.get(request_id, 0)}")
 
     @invariant()
     def kv_accounting_adds_up(self):
@@ -138,13 +149,17 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.check(len(running) <= self.engine.config.max_num_seqs,
                    f"{len(running)} running sequences, max_num_seqs {self.engine.config.max_num_seqs}")
         manager, holders = self.engine.block_manager, {}
+        size = manager.block_size
         salts = {r["id"]: r.get("cache_salt") for r in self.schedule["requests"]}
         for seq in self.engine.sequences.values():
             # its full blocks' hashes as its computed tokens and its salt define them (not as the engine kept them)
-            mine = block_hashes(seq.token_ids[:seq.num_computed_tokens], manager.block_size,
-                                salt_root(salts[seq.request_id]))
+            salt = salt_root(salts[seq.family or seq.request_id])
+            mine = block_hashes(seq.token_ids[:seq.num_computed_tokens], size, salt)
             for index, block in enumerate(seq.block_table.block_ids):
-                holders.setdefault(block, []).append(seq.request_id)
+                # a full block of the tokens a fork shares (the prompt but its last), that it has computed
+                forked = seq.family is not None and (index + 1) * size <= min(seq.num_prompt_tokens - 1,
+                                                                               seq.num_computed_tokens)
+                holders.setdefault(block, []).append((seq.request_id, seq.family if forked else None))
                 registered = manager.hash_of.get(block)
                 self.check(registered is None or mine[index:index + 1] == [registered],
                            f"{seq.request_id} holds block {block} as its block {index}, registered under a hash "
@@ -152,10 +167,13 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             if seq.is_finished:
                 self.check(not seq.block_table.block_ids,
                            f"{seq.request_id} finished ({seq.finish_reason}) but holds blocks {seq.block_table.block_ids}")
-        shared = {block: ids for block, ids in holders.items() if len(ids) > 1 and block not in manager.hash_of}
-        self.check(not shared, f"blocks held by several requests without being a registered prefix block: {shared}: "
-                               f"one of them reads the other's KV")
+        shared = {block: [i for i, _ in held] for block, held in holders.items() if len(held) > 1
+                  and block not in manager.hash_of and (None in {f for _, f in held} or len({f for _, f in held}) > 1)}
+        self.check(not shared, f"blocks held by several requests without being a registered prefix block or a "
+                               f"full block of the prompt siblings forked: {shared}: one of them reads the other's KV")
         self.cached_kv_never_changes()
+        self.shared_kv_never_changes({block: frozenset(i for i, _ in held) for block, held in holders.items()
+                                      if len(held) > 1})
 
     def cached_kv_never_changes(self):
         runner, seen = self.engine.runner, {}
@@ -168,10 +186,23 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             seen[block_hash] = first if first is not None and first[0] == block else (block, kv)
         self.registered = seen
 
+    def shared_kv_never_changes(self, shared: dict[int, frozenset]):
+        """`shared`: block -> the sequences holding it, where several do. While the same ones hold it, its KV
+        stays as it was (one of them writing there changes what the others read)."""
+        runner, seen = self.engine.runner, {}
+        for block, held in shared.items():
+            kv = runner.k_cache[:, block].tobytes() + runner.v_cache[:, block].tobytes()
+            before = self.shared.get((block, held), kv)
+            self.check(before == kv, f"after step {self.engine.num_steps - 1}: block {block}, held by {sorted(held)} "
+                                     f"since then, holds other KV: one of them wrote where the others read")
+            seen[block, held] = kv
+        self.shared = seen
+
     def teardown(self):
         if not hasattr(self, "engine") or self.failed:
             return
-        budget = STEP_ALLOWANCE * sum(len(r["prompt_ids"]) + r["max_tokens"] for r in self.schedule["requests"])
+        budget = STEP_ALLOWANCE * sum(r.get("n", 1) * (len(r["prompt_ids"]) + r["max_tokens"])
+                                      for r in self.schedule["requests"])
         for _ in range(budget):
             if not self.engine.has_unfinished():
                 break

@@ -70,10 +70,11 @@ class GoldenBaseline:
         if completion.token_ids is None and case.text_offsets is None:
             return error("the server reports no token ids and the golden file has no text_offsets to align "
                          "its text with; refresh it")
-        restored = []
+        restored, rendered = [], []
         if completion.token_ids is not None:  # by ids: the server's text, whatever it did to it, is context only
             verdict = judge_ids(case, completion.token_ids, completion.text, self.tolerance)
         else:
+            case, rendered = rendering_special_tokens(case, self.golden.special_tokens, completion.text)
             text, restored = unstripped(case.text, completion.text)
             verdict = judge_text(case, text, self.tolerance)
         at_limit = verdict.kind == "match" and at_max_tokens(case, completion.finish_reason)
@@ -81,7 +82,18 @@ class GoldenBaseline:
             return error(f"the answer matches but finish_reason is {completion.finish_reason!r}, "
                          f"golden {case.finish_reason!r}")
         return record_fields(verdict, "golden") | ({"whitespace_restored": restored} if restored else {}) | \
+            ({"special_tokens_rendered": rendered} if rendered else {}) | \
             ({"finish_reason_at_max_tokens": completion.finish_reason} if at_limit else {})
+
+
+def rendering_special_tokens(case, specials: dict[int, str], got_text: str) -> tuple:
+    """A server may decode its answer without skipping special tokens (HF `transformers serve` writes
+    `<|im_start|>` into its text); the golden text skips them. Where the received text holds the text
+    of a special token the golden answer generated, it is compared with the golden answer decoded that
+    way, those tokens written (a server that writes them may still leave out the eos it stopped on):
+    (the case to judge by, the texts written). By ids nothing changes: the text is context there."""
+    shown = {t: specials[t] for t in case.token_ids if t in specials and specials[t] in got_text}
+    return (case.with_special_tokens(shown), sorted(set(shown.values()))) if shown else (case, [])
 
 
 def at_max_tokens(case, finish_reason: str | None) -> bool:
@@ -126,7 +138,7 @@ def judge_serial(case_id: str, alone: Completion, got: Completion, tolerance: fl
 
 
 def processed(case) -> SamplingParams | None:
-    """A processed case's logits processors (validate.surface.ProcessedCase: its `fields`) as the
+    """A processed case's logits processors (validate.variants.ProcessedCase: its `fields`) as the
     reference applies them; None for a case without any."""
     processors = processor_params(getattr(case, "fields", None) or {})
     return SamplingParams(max_tokens=case.max_tokens, **processors) if processors else None
@@ -169,9 +181,25 @@ class SerialBaseline:
         return None if alone is None or alone.token_ids is None else len(alone.token_ids)
 
     def judge(self, p: Planned, completion: Completion) -> dict:
+        """The answer against its alone answer: each choice (`n`) against the alone answer's choice at its
+        index (the first not matching gives the verdict, with its `choice` where it is not the first)."""
         if (p.case.id, p.api) in self.failed:
             return error(f"no alone answer to compare with ({self.failed[p.case.id, p.api]})")
         alone = self.alone[p.case.id, p.api]
+        if completion.num_choices != alone.num_choices:
+            return error(f"{completion.num_choices} choices, alone {alone.num_choices}")
+        worst = None
+        for k, (want, got) in enumerate(zip((alone, *alone.others), (completion, *completion.others))):
+            fields = self.judge_choice(p, want, got)
+            if k and fields["verdict"] != "match":
+                fields = {**fields, "choice": k}
+            if fields["verdict"] in ("diverged", "error"):
+                return fields
+            if worst is None or (worst["verdict"], fields["verdict"]) == ("match", "explained"):
+                worst = fields
+        return worst
+
+    def judge_choice(self, p: Planned, alone: Completion, completion: Completion) -> dict:
         mismatch = prompt_mismatch(alone.prompt_token_ids, completion.prompt_token_ids, "prompt ids of its alone answer")
         if mismatch:
             return error(mismatch)
@@ -226,9 +254,14 @@ class ThreeWay:
         self.alone_matched = {(r["case"], r["api"]) for r in alone_records if r["verdict"] == "match"}
 
     def expected_tokens(self, case_id: str, api: str) -> int | None:
-        return self.golden.expected_tokens(case_id, api)
+        """The golden answer's length; a variant's (no golden answer): its alone answer's."""
+        golden = self.golden.expected_tokens(case_id, api)
+        return golden if golden is not None else self.serial.expected_tokens(case_id, api)
 
     def judge(self, p: Planned, completion: Completion) -> dict:
+        if getattr(p.case, "fields", None):  # a variant (validate.variants): no golden answer, its alone answer only
+            fields = self.serial.judge(p, completion)
+            return {**fields, "batching": fields}
         fields = self.golden.judge(p, completion)
         if (p.case.id, p.api) in self.alone_matched and fields["verdict"] in ("match", "explained", "diverged"):
             kind = "match" if fields["verdict"] == "match" else first_divergence(fields["margin"], self.serial.tolerance)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..check.golden import Golden, PromptCase
@@ -30,7 +30,7 @@ from .baseline import GoldenBaseline, SerialBaseline, ThreeWay
 from .bounds import Tolerances, tolerances
 from .cache import cache_report
 from .client import Completion, Endpoint, ServerError
-from .dialect import Dialect, probe
+from .dialect import REFUSAL_STATUSES, Dialect, probe
 from .drain import StatusPoller, server_state, wait_drained
 from .effects import effect_counts
 from .load import VERDICTS, overlap, replay
@@ -38,6 +38,7 @@ from .margins import LocalMargins
 from .plan import Planned, Settings, plan, probe_bodies
 from .precision import precision
 from .surface import ignored, probe_surface
+from .variants import ProcessedCase
 
 __all__ = ["Cases", "served_model", "validate"]
 DRAIN_DEADLINE_S, DRAIN_POLL_S = 10.0, 0.05  # after the run: how long to wait for a server to settle
@@ -70,7 +71,7 @@ def served_model(endpoint: Endpoint) -> dict:
 
 class _Alone:
     """The first phase: keeps each answer sent alone; judges it against the golden file where there is
-    one (the precision effect), else not at all."""
+    one (the precision effect), else not at all (nor a variant: the golden file has no answer to it)."""
 
     def __init__(self, golden: GoldenBaseline | None = None):
         self.answers: dict[tuple[str, str], Completion] = {}
@@ -78,17 +79,38 @@ class _Alone:
 
     def judge(self, p: Planned, completion: Completion) -> dict:
         self.answers[p.case.id, p.api] = completion
-        return {"verdict": "answered"} if self.golden is None else self.golden.judge(p, completion)
+        if self.golden is None or isinstance(p.case, ProcessedCase):
+            return {"verdict": "answered"}
+        return self.golden.judge(p, completion)
+
+
+def refused_variants(alone_records: list[dict]) -> dict[tuple[str, str], str]:
+    """(case id, api) -> the server's refusal, of every variant it refused alone (a 4xx: it does not take
+    the variant's fields; validate.surface says which). The load sends its case instead."""
+    return {(r["case"], r["api"]): r["error"] for r in alone_records
+            if r.get("variant") and r["verdict"] == "error" and r.get("status") in REFUSAL_STATUSES}
 
 
 def send_alone(endpoint: Endpoint, planned: list[Planned], served_name: str,
                dialect: Dialect | None, golden: GoldenBaseline | None = None) -> tuple[_Alone, list]:
-    """Each (case, api) of the plan once, whole, one at a time: nothing else in flight."""
-    alone, seen = _Alone(golden), {}
+    """Each (case, api) of the plan once, whole, one at a time: nothing else in flight. A variant the
+    server refuses (refused_variants) goes as its case in the load: that case is sent alone too."""
+    alone = _Alone(golden)
+    records = _send_each(endpoint, planned, served_name, alone, dialect, set())
+    refused = refused_variants(records)
+    instead = [replace(p, case=p.case.base) for p in planned if (p.case.id, p.api) in refused]
+    return alone, records + _send_each(endpoint, instead, served_name, alone, dialect,
+                                       {(r["case"], r["api"]) for r in records})
+
+
+def _send_each(endpoint: Endpoint, planned: list[Planned], served_name: str, alone: _Alone, dialect: Dialect | None,
+               sent: set[tuple[str, str]]) -> list[dict]:
+    seen = {}
     for p in planned:
+        if (p.case.id, p.api) in sent:
+            continue
         seen.setdefault((p.case.id, p.api), Planned(f"{p.case.id}@{p.api}", p.case, p.api, 0.0, False, None))
-    records = [replay(endpoint, [p], served_name, alone, 1, dialect)[0] for p in seen.values()]
-    return alone, records
+    return [replay(endpoint, [p], served_name, alone, 1, dialect)[0] for p in seen.values()]
 
 
 def arrival_spread(settings: Settings, requests: int, alone_latency: float) -> float:
@@ -120,6 +142,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         drain_baseline = None
     golden = GoldenBaseline(cases.golden, tolerance) if settings.baseline == "golden" else None
     kept, alone_records = send_alone(endpoint, draft, served["id"], dialect, golden)
+    refused = refused_variants(alone_records)  # sent as their case: its answer alone is among alone_records
     failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
     serial = SerialBaseline(kept.answers, bounds.batching, failed, margins)
     baseline = serial if golden is None else ThreeWay(golden, serial, alone_records)
@@ -131,7 +154,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     else:
         spread = arrival_spread(settings, len(draft), alone_latency)
         spread_from = "settings" if settings.arrival_spread is not None else "alone latency"
-        planned = plan(cases.cases, settings, spread, cases.path)
+        planned = plan(cases.cases, settings, spread, cases.path, frozenset(refused))
     poller = StatusPoller(endpoint, drain_baseline.path, STATUS_POLL_S) if drain_baseline is not None else None
     with poller or contextlib.nullcontext():
         start = time.monotonic()
@@ -139,7 +162,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     wall_s = round(time.monotonic() - start, 3)
     counts = {kind: sum(r["verdict"] == kind for r in requests) for kind in VERDICTS}
     effects = effect_counts(requests, alone_records) if golden is not None else None
-    alone_errors = sum(r["verdict"] == "error" for r in alone_records)
+    alone_errors = sum(r["verdict"] == "error" and (r["case"], r["api"]) not in refused for r in alone_records)
     drained, state, note = wait_drained(endpoint, drain_baseline, DRAIN_DEADLINE_S, DRAIN_POLL_S)
     drain = {"checked": state is not None, "drained": drained, "note": note,
              **({"source": state.source, "running": state.running, "waiting": state.waiting,
@@ -177,7 +200,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                      "margin_tolerance": settings.margin_tolerance, "precision": settings.precision,
                      "batch_invariant": settings.batch_invariant, "api": settings.api, "arrival_spread_s": spread,
                      "arrival_spread_from": spread_from, "alone_latency_s": alone_latency,
-                     "repeat": settings.repeat, "timeout": settings.timeout},
+                     "repeat": settings.repeat, "timeout": settings.timeout, "variant_rate": settings.variant_rate},
         "dialect": dialect.report(),
         "surface": surface,
         "margins": None if margins is None else {"model": str(margins.model.path), "fingerprint": margins.fingerprint,
@@ -189,6 +212,7 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
         "overlap": load,
         "drain": drain,
         "cache": cache,
+        "variants": variant_report(requests, refused, settings.variant_rate),
         # only against the golden file: a serial "match" says nothing of which steps agree with float64
         "precision": precision(requests, cases.golden, bounds.precision, bounds.precision_tolerance)
         if settings.baseline == "golden" else None,
@@ -196,6 +220,18 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
                     "surface_ignored": len(ignored(surface)), "wall_s": wall_s,
                     "verdict": verdict, "passed": verdict == "PASS"},
     }
+
+
+def variant_report(requests: list[dict], refused: dict[tuple[str, str], str], rate: float) -> dict:
+    """The report's `variants` (FORMATS.md): the rate, the loaded requests sent as each variant and their
+    verdicts, and the variants the server refused alone (sent as their case instead)."""
+    sent: dict[str, dict[str, int]] = {}
+    for r in requests:
+        if r.get("variant"):
+            counts = sent.setdefault(r["variant"], {})
+            counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    return {"rate": rate, "sent": sent,
+            "refused": {f"{case}@{api}": why for (case, api), why in sorted(refused.items())}}
 
 
 def lone_hang_up(endpoint: Endpoint, draft: list[Planned], served_name: str, baseline, dialect: Dialect,

@@ -25,11 +25,16 @@ def send_one(endpoint: Endpoint, p: Planned, served_model: str, baseline, start:
     sent = time.monotonic()
     entry = {"id": p.id, "case": p.case.id, "api": p.api, "streamed": p.stream, "arrival_s": p.arrival_s,
              "cancel_after": p.cancel_after, "cache": p.cache, "sent_s": round(sent - start, 3)}
+    variant = getattr(p.case, "variant", None)  # validate.variants.ProcessedCase
+    if variant:
+        entry["variant"] = variant
     try:
         completion = send(endpoint, p.api, request_body(p, served_model), p.cancel_after, dialect,
                           salt=dialect.cache_salt(p.cache, p.id))
     except (ServerError, OSError) as e:
-        return {**entry, **ended(sent, start), "cancelled": False, "verdict": "error", "error": str(e) or type(e).__name__}
+        status = {"status": e.status} if getattr(e, "status", None) is not None else {}
+        return {**entry, **ended(sent, start), "cancelled": False, "verdict": "error",
+                "error": str(e) or type(e).__name__, **status}
     entry |= {**ended(sent, start), "cancelled": completion.cancelled,
               "tokens": len(completion.token_ids) if completion.token_ids is not None else None,
               "finish_reason": completion.finish_reason, "token_ids": completion.token_ids, "text": completion.text}

@@ -5,7 +5,9 @@ only within one salt, so a `cold` request (a salt of its own) computes its whole
 running batch; a `shared` one (one salt for the whole load) takes only KV the load itself computed,
 often while the request computing it still runs; a `warm` one (the alone phase's salt) may take the
 KV its alone answer left. A case comes from a golden file (GoldenCase) or a prompts file
-(PromptCase): requests need only its prompt or messages and max_tokens.
+(PromptCase): requests need only its prompt or messages and max_tokens. A share of the requests
+(`variant_rate`) goes as one of its case's variants (validate.variants: penalties, logit_bias with
+min_tokens, prompt logprobs, n), drawn apart too; a variant the server refused alone goes as its case.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ..check.golden import GoldenCase, PromptCase
 from ..errors import RefengineError
+from .variants import ProcessedCase, variants
 
 APIS = ("auto", "completions", "chat")
 BASELINES = ("golden", "serial")
@@ -33,6 +36,7 @@ class Settings:
     baseline: str = "golden"
     precision: str = "auto"               # the server's: f32 | bf16 | fp16 | auto (validate.bounds)
     batch_invariant: bool = False         # hold loaded answers to their alone answers bit for bit
+    variant_rate: float = 0.25            # share of requests sent as a variant of their case (validate.variants)
 
     def __post_init__(self):
         if self.concurrency < 1:
@@ -49,6 +53,8 @@ class Settings:
             raise RefengineError(f"repeat: must be >= 1, got {self.repeat}")
         if not self.timeout > 0:
             raise RefengineError(f"timeout: must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.variant_rate <= 1:
+            raise RefengineError(f"variant_rate: must be in [0, 1], got {self.variant_rate}")
         if self.baseline not in BASELINES:
             raise RefengineError(f"baseline: expected one of {', '.join(BASELINES)}, got {self.baseline!r}")
 
@@ -75,14 +81,19 @@ def case_api(case, api: str, source) -> str:
     return "chat" if case.messages and api != "completions" else "completions"
 
 
-def plan(cases: list, settings: Settings, spread: float, source="cases") -> list[Planned]:
+def plan(cases: list, settings: Settings, spread: float, source="cases",
+         refused: frozenset = frozenset()) -> list[Planned]:
     """The random join/leave schedule, fixed by the seed; arrivals uniform over `spread` seconds. A
     request may hang up only where its case's answer has at least two tokens to come. The cache groups
-    are drawn apart (their own generator: they move no other draw), a third of the requests each."""
-    rng = random.Random(settings.seed)
+    and the variants are drawn apart (their own generators: they move no other draw), a third of the
+    requests in each group; a variant whose (case id, api) is in `refused` goes as its case."""
+    rng, pick = random.Random(settings.seed), random.Random(f"{settings.seed}:variants")
     planned = []
     for copy in range(settings.repeat):
         for case in cases:
+            if pick.random() < settings.variant_rate:
+                variant = pick.choice(variants(case))
+                case = case if (variant.id, case_api(variant, settings.api, source)) in refused else variant
             api = case_api(case, settings.api, source)
             cancel = expected_length(case) > 1 and rng.random() < settings.cancel_rate
             planned.append(Planned(
@@ -109,7 +120,7 @@ def request_body(p: Planned, served_model: str) -> dict:
             body["chat_template_kwargs"] = p.case.chat_template_kwargs
     else:  # chat cases sent as completions carry the golden prompt ids: exactly the tokens the reference saw
         body["prompt"] = p.case.prompt if p.case.prompt is not None else p.case.prompt_ids
-    return body | getattr(p.case, "fields", {})  # a ProcessedCase's logits processors (validate.surface)
+    return body | getattr(p.case, "fields", {})  # a ProcessedCase's fields (validate.variants)
 
 
 def prompt_size(case) -> int:
@@ -118,9 +129,12 @@ def prompt_size(case) -> int:
 
 
 def probe_bodies(planned: list[Planned], served_name: str) -> dict[str, dict]:
-    """Per API in the plan, the request body of its case with the shortest prompt (the dialect probe)."""
+    """Per API in the plan, the request body of its case with the shortest prompt (the dialect probe): a
+    case's own, never a variant's."""
     shortest = {}
     for p in planned:
+        if isinstance(p.case, ProcessedCase):
+            p = replace(p, case=p.case.base)
         if p.api not in shortest or prompt_size(p.case) < prompt_size(shortest[p.api].case):
             shortest[p.api] = p
     return {api: request_body(p, served_name) for api, p in sorted(shortest.items())}

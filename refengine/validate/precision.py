@@ -97,7 +97,7 @@ def precision(records: list[dict], golden, run_precision: str = "f32",
     out["divergences"] = [
         {"id": r["id"], "step": r.get("step"), "margin": r.get("margin"),
          "inside": None if called_for is None else r.get("margin") is not None and r["margin"] <= called_for}
-        for r in records if r.get("verdict") in ("explained", "diverged")]
+        for r in records if r.get("verdict") in ("explained", "diverged") and not r.get("variant")]
     if deltas.size < MAX_KEPT_DELTAS:
         out["deltas"] = deltas.tolist()
     return out

@@ -22,6 +22,8 @@ def describe_record(r: dict, tolerance: float, baseline: str = "golden", local_m
                       got=r["got"], want=r["expected"], margin=r["margin"], tolerance=tolerance,
                       want_text=r["expected_text"], got_text=r["got_text"])
     text = describe(verdict, "got", "golden" if baseline == "golden" else "alone")
+    if r.get("choice"):
+        text = f"choice {r['choice']} (n): {text}"
     if r.get("margin_from"):
         return text + f"\n  margin from {MARGIN_SOURCES[r['margin_from']]}"
     if baseline == "serial" and not local_model and not (r["expected"] is None and r["step"] is not None):
@@ -30,6 +32,11 @@ def describe_record(r: dict, tolerance: float, baseline: str = "golden", local_m
 
 
 def _detail(r: dict) -> str:
+    choice = f"choice {r['choice']}: " if r.get("choice") else ""
+    return choice + _choice_detail(r)
+
+
+def _choice_detail(r: dict) -> str:
     if r["verdict"] == "match":
         return f"{r['tokens'] if r['tokens'] is not None else '?'} tokens, by {r['compared_by']}"
     if r["verdict"] in ("explained", "diverged"):
@@ -72,8 +79,9 @@ def format_report(report: dict) -> str:
         if batching.get("verdict") in ("explained", "diverged"):
             lines.append("batching (loaded vs alone): " + describe_record(
                 {**batching, "id": r["id"]}, bounds["batching"], "serial", local))
+    refused = (report.get("variants") or {}).get("refused", {})
     for r in report["alone"]:
-        if r["verdict"] == "error":
+        if r["verdict"] == "error" and f"{r['case']}@{r['api']}" not in refused:
             lines.append(f"alone {r['id']}: error: {r['error']}")
         elif r["verdict"] in ("explained", "diverged"):
             lines.append("precision (alone vs golden): " + describe_record(r, s["tolerance"], "golden", local))
@@ -107,10 +115,18 @@ def format_report(report: dict) -> str:
     lines += surface_notes(report.get("surface"))
     if report.get("cache"):
         lines += format_cache(report["cache"])
+    if report.get("variants"):
+        lines += format_variants(report["variants"])
     stripped = [r["id"] for r in report["alone"] + report["requests"] if r.get("whitespace_restored")]
     if stripped:
         lines.append(f"note: {len(stripped)} answers came without the whitespace their golden answer has at an end "
                      f"(a server that strips its text); compared with it given back (validate.dialect.unstripped)")
+    rendered = [r for r in report["alone"] + report["requests"] if r.get("special_tokens_rendered")]
+    if rendered:
+        texts = sorted({t for r in rendered for t in r["special_tokens_rendered"]})
+        lines.append(f"note: {len(rendered)} answers came with special tokens written in their text "
+                     f"({', '.join(texts)}: a server that does not skip them); compared with the golden answers "
+                     f"decoded that way (validate.baseline.rendering_special_tokens)")
     at_limit = [r["finish_reason_at_max_tokens"] for r in report["alone"] + report["requests"]
                 if r.get("finish_reason_at_max_tokens")]
     if at_limit:
@@ -133,6 +149,15 @@ def format_report(report: dict) -> str:
 
 BOUND_SOURCES = {"golden": "the golden file's header",
                  "model": "the local model (measured once per model and precision, then cached)"}
+
+
+def format_variants(v: dict) -> list[str]:
+    """The variants line: what went under load as each (validate.variants), by verdict, and what was refused."""
+    sent = "; ".join(f"{name} {sum(counts.values())} (" + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ")"
+                     for name, counts in sorted(v["sent"].items())) or "none"
+    lines = [f"variants (rate {v['rate']:g}, each judged against its own alone answer): {sent}"]
+    lines += [f"note: variant {key} refused alone, sent as its case: {why[:160]}" for key, why in v["refused"].items()]
+    return lines
 
 
 def format_bounds(b: dict) -> str:

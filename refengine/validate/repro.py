@@ -22,7 +22,7 @@ from pathlib import Path
 from ..check.schedule import read_json
 from ..errors import RefengineError
 from .plan import CACHE, Planned
-from .surface import variants
+from .variants import variants
 
 REPRO_FORMAT = 1
 REQUEST_KEYS = ("id", "case", "api", "streamed", "arrival_s", "cancel_after")

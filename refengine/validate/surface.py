@@ -26,16 +26,10 @@ prompt, an echo that is not the prompt: a finding), "unsupported" (an extension 
 know and answers without: a note, as OpenAI servers ignore unknown fields), "refused" (4xx naming it),
 "accepted" (answered, and the plain answer has no step where the parameter must act: not probed
 further), "error" (any other failure).
-
-And the variants of a case sent with processors (ProcessedCase, variants()): what the HTTP property
-`test_answers_with_logits_processors_equal_the_servers_own_alone_answers` sends under load, so a
-server that keeps a request's penalty counts or bias in a batch row it gets wrong is caught.
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass
 
 from .client import Completion, Endpoint, ServerError
 from .dialect import REFUSAL_STATUSES, Dialect, names, send
@@ -177,43 +171,3 @@ def ignored(surface: dict | None) -> list[str]:
     """`api: parameter` for every parameter a server ignores or answers wrongly (FINDINGS)."""
     return [f"{api}: {name}" for api, verdicts in (surface or {}).items()
             for name, v in verdicts.items() if v["verdict"] in FINDINGS]
-
-
-@dataclass(frozen=True)
-class ProcessedCase:
-    """A case sent with extra fields (logits processors, prompt logprobs, n): no golden answer has them, so
-    it is judged only against the same server's answer to it alone (the serial baseline). Everything but its
-    id is its base case's; its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
-    base: object  # check.golden.GoldenCase or PromptCase
-    variant: str
-    fields_json: str  # the request fields it adds, as JSON (hashable)
-
-    @property
-    def id(self) -> str:
-        return f"{self.base.id}+{self.variant}"
-
-    @property
-    def fields(self) -> dict:
-        return json.loads(self.fields_json)
-
-    def __getattr__(self, name):
-        if name == "base":  # not set yet (a copy being built): no base to ask
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-
-def variants(case) -> list[ProcessedCase]:
-    """The processed variants of `case`: "penalties" (frequency, presence and repetition penalties),
-    "prompt-logprobs" (vLLM's prompt_logprobs, 2 alternatives: the serial baseline compares them too), "n"
-    (two answers: the first, read and judged, is the case's own; the other loads the batch beside it), and
-    where its golden answer is known, "bias" (-100 on the golden answer's first token, and min_tokens 2:
-    a different answer that must still be two tokens long at least)."""
-    out = [ProcessedCase(case, "penalties", json.dumps({"frequency_penalty": 1.5, "presence_penalty": 0.5,
-                                                        "repetition_penalty": 1.3})),
-           ProcessedCase(case, "prompt-logprobs", json.dumps({"prompt_logprobs": 2})),
-           ProcessedCase(case, "n", json.dumps({"n": 2}))]
-    answer = getattr(case, "token_ids", None)
-    if answer:
-        out.append(ProcessedCase(case, "bias", json.dumps({"logit_bias": {str(answer[0]): -100.0},
-                                                           "min_tokens": min(2, case.max_tokens)})))
-    return out

@@ -9,7 +9,8 @@ Prompt ids: `choices[i].prompt_token_ids` (refengine; vLLM completions) or the o
 `prompt_token_ids` (vLLM chat).
 Logprobs, per generated token: chat's `logprobs.content[].logprob` with `.top_logprobs[].logprob`,
 or completions' `logprobs.token_logprobs[]` with `logprobs.top_logprobs[]` (token -> logprob).
-Only the first choice (`index` 0) is read; the others are counted (`n`, validate.surface).
+Each choice (`n`) is read on its own: the first (`index` 0) is the answer, the others its `others`, in
+index order. `usage` counts the tokens of all choices, so it checks a choice's ids only where it is the only one.
 Prompt logprobs (vLLM's `prompt_logprobs`): `choices[i].prompt_logprobs` (completions) or the object's
 `prompt_logprobs` (chat): per prompt token null (the first) or {"token id": {"logprob", ...}}.
 Prompt tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens` (OpenAI;
@@ -17,7 +18,7 @@ vLLM, refengine) or `timings.cache_n` (llama.cpp).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 IDS_FIELDS = ("token_ids", "logprobs", "tokens")  # where generated ids were found (Completion.ids_from)
 
@@ -51,7 +52,11 @@ class Completion:
     # Per prompt token, id -> logprob for the token and the alternatives reported there (None for the
     # first token); None: not reported.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    num_choices: int = 1                # choices the answer carried (`n`); everything else is the first one's
+    others: tuple[Completion, ...] = ()  # the answer's other choices (`n`), in index order
+
+    @property
+    def num_choices(self) -> int:
+        return 1 + len(self.others)
 
 
 def _ints(value) -> list[int] | None:
@@ -171,16 +176,26 @@ def checked(ids: list[int] | None, ids_from: str | None, usage: int | None) -> t
 def whole(data: dict) -> Completion:
     """A whole (non-streamed) answer. No choices: ValueError."""
     choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
         raise ValueError(f"response without choices: {str(data)[:120]}")
-    choice = choices[0]
+    first, *others = sorted(choices, key=lambda c: _index(c, choices))
+    usage = usage_tokens(data) if not others else None
+    return replace(whole_choice(first, data, usage), others=tuple(whole_choice(c, data, None) for c in others))
+
+
+def _index(choice: dict, choices: list) -> int:
+    index = choice.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else choices.index(choice)
+
+
+def whole_choice(choice: dict, data: dict, usage: int | None) -> Completion:
     ids, ids_from = generated_ids(choice, data)
-    ids, note = checked(ids, ids_from, usage_tokens(data))
+    ids, note = checked(ids, ids_from, usage)
     finish = choice.get("finish_reason")
     return Completion(choice_text(choice), ids, prompt_ids(choice, data), finish if isinstance(finish, str) else None,
                       cancelled=False, ids_from=ids_from if ids is not None else None, note=note,
                       logprobs=counted(token_logprobs(choice), ids), cached_tokens=cached_tokens(data),
-                      prompt_logprobs=prompt_logprobs(choice, data), num_choices=len(choices))
+                      prompt_logprobs=prompt_logprobs(choice, data))
 
 
 def counted(logprobs: list[TokenLogprob] | None, ids: list[int] | None) -> list[TokenLogprob] | None:
@@ -199,7 +214,7 @@ class Stream:
         self.text_without_ids = False
         self.prompt_ids: list[int] | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        self.indices: set[int] = set()  # the choices seen
+        self.others: dict[int, Stream] = {}  # the other choices (`n`), each read as a stream of its own
         self.finish_reason: str | None = None
         self.usage: int | None = None
         self.cached_tokens: int | None = None
@@ -215,38 +230,43 @@ class Stream:
             if not isinstance(choice, dict):
                 continue
             index = choice.get("index", 0)
-            self.indices.add(index)
-            if index != 0:  # another answer (`n`): counted, not read
-                continue
-            text = choice_text(choice)
-            ids, ids_from = generated_ids(choice, chunk)
-            self.pieces.append(text)
-            if ids is not None:
-                self.ids += ids
-                self.ids_from = self.ids_from or ids_from
-            elif text:
-                self.text_without_ids = True
-            if self.prompt_ids is None:
-                self.prompt_ids = prompt_ids(choice, chunk)
-            if self.prompt_logprobs is None:
-                self.prompt_logprobs = prompt_logprobs(choice, chunk)
-            finish = choice.get("finish_reason")
-            self.finish_reason = finish if isinstance(finish, str) and finish else self.finish_reason
-            self.chunks += bool(text or ids)
-            logprobs = token_logprobs(choice)
-            if logprobs is not None:
-                self.logprobs += logprobs
-            elif text or ids:
-                self.tokens_without_logprobs = True
+            if not isinstance(index, int) or isinstance(index, bool) or index == 0:
+                self.add_choice(choice, chunk)
+            else:
+                self.others.setdefault(index, Stream()).add_choice(choice, chunk)
         if self.prompt_ids is None and not choices:
             self.prompt_ids = _ints(chunk.get("prompt_token_ids"))
 
+    def add_choice(self, choice: dict, chunk: dict) -> None:
+        """A piece of this choice: its text, ids, logprobs, prompt ids and logprobs, finish reason."""
+        text = choice_text(choice)
+        ids, ids_from = generated_ids(choice, chunk)
+        self.pieces.append(text)
+        if ids is not None:
+            self.ids += ids
+            self.ids_from = self.ids_from or ids_from
+        elif text:
+            self.text_without_ids = True
+        if self.prompt_ids is None:
+            self.prompt_ids = prompt_ids(choice, chunk)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs(choice, chunk)
+        finish = choice.get("finish_reason")
+        self.finish_reason = finish if isinstance(finish, str) and finish else self.finish_reason
+        self.chunks += bool(text or ids)
+        logprobs = token_logprobs(choice)
+        if logprobs is not None:
+            self.logprobs += logprobs
+        elif text or ids:
+            self.tokens_without_logprobs = True
+
     def completion(self, cancelled: bool, done_marker: bool | None, unread: tuple[int, bool] | None = None) -> Completion:
         reported = self.ids_from is not None and not self.text_without_ids
-        ids, note = checked(self.ids if reported else None, self.ids_from, None if cancelled else self.usage)
+        usage = None if cancelled or self.others else self.usage
+        ids, note = checked(self.ids if reported else None, self.ids_from, usage)
         logprobs = None if self.tokens_without_logprobs or not self.logprobs else counted(self.logprobs, ids)
         return Completion("".join(self.pieces), ids, self.prompt_ids, None if cancelled else self.finish_reason,
                           cancelled, ids_from=self.ids_from if ids is not None else None,
                           done_marker=done_marker, note=note, logprobs=logprobs, unread=unread,
                           cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs,
-                          num_choices=max(1, len(self.indices)))
+                          others=tuple(self.others[i].completion(cancelled, done_marker) for i in sorted(self.others)))
