@@ -30,13 +30,13 @@ from refengine.strategies.http_schedules import HttpRequest
 from refengine.suite.harness import PropertyFailure
 from refengine.suite.plugin import HTTP_MAX_WAITING
 from refengine.suite.test_http import (
+    answers_equal_alone,
     answers_match_golden,
     applies_what_it_accepts,
     cold_warm_evicted,
     connect,
     hang_ups_are_aborts,
     http_property,
-    processed_answers_equal_alone,
     server_drains,
     with_processed,
 )
@@ -93,7 +93,7 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
     PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough.
     `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
-    EngineConfig settings; `processed`: schedules of the cases' processed variants (validate.surface)."""
+    EngineConfig settings; `processed`: schedules of the cases and their variants (with_processed)."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,
                                                    **(engine or {})),
                           host="127.0.0.1", **server_settings)
@@ -246,7 +246,7 @@ def hold_until_added(server: OpenAIServer, count: int, deadline_s: float = 60.0)
     engine.add_request, engine.step = counted_add, held_step
 
 
-def test_a_penalty_row_bug_fails_the_processed_answers_property(tiny_model, tmp_path, monkeypatch):
+def test_a_penalty_row_bug_fails_the_answers_equal_alone_property(tiny_model, tmp_path, monkeypatch):
     """penalty-counts-by-batch-row served: a short answer with penalties, then a long one, in one batch;
     when the short one leaves, the long one's row moves into its place without its counts, and its
     answer differs from its answer alone. The same two requests pass on a clean server."""
@@ -264,10 +264,10 @@ def test_a_penalty_row_bug_fails_the_processed_answers_property(tiny_model, tmp_
                         HttpRequest(index["story+penalties"], "story+penalties", "completions", False, 5, None)]
             hold_until_added(server, len(schedule))
             if fault:
-                with pytest.raises(PropertyFailure, match="answers with logits processors that differ"):
-                    processed_answers_equal_alone(connected, schedule)
+                with pytest.raises(PropertyFailure, match="answers that differ from the server's own alone"):
+                    answers_equal_alone(connected, schedule)
             else:
-                processed_answers_equal_alone(connected, schedule)
+                answers_equal_alone(connected, schedule)
         finally:
             server.close()
 

@@ -12,8 +12,10 @@ same (the batching tolerance).
   validate.load.MIN_OVERLAP_FRACTION overlapped another (validate's rule; arrival steps are scaled to
   the server's measured alone latency, so this holds on fast and slow servers);
 - every completed answer equals the same server's answer to that case and API sent alone (fetched
-  once, when the module connects: validate's serial baseline), except at the server's own top-2
-  margin (or, where it reports none, --model's float64 margin) within the batching tolerance;
+  once: validate's serial baseline), except at the server's own top-2 margin (or, where it reports
+  none, --model's float64 margin) within the batching tolerance; these schedules mix the golden cases
+  with their variants (validate.variants: penalties; a bias against the golden first token with
+  min_tokens; prompt logprobs, compared too; n, every answer compared), which no golden answer has;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort (validate.aborts, judged once the server is idle): every streamed request that
   hung up with more than validate.aborts.ABORT_SLACK tokens of its golden answer unsent, and that a
@@ -26,9 +28,6 @@ same (the batching tolerance).
   nothing have filled more than the server's KV pool (its size from its status: skipped where unknown),
   once more: every completed answer meets the golden file, and each request's three answers agree up
   to a golden near-tie (a failure's repro holds the leg that failed, as one schedule);
-- requests with logits processors (validate.surface's variants of the golden cases: penalties; a bias
-  against the golden first token with min_tokens) equal the same server's answers to them alone, as
-  above (no golden answer has them);
 - the server applies the logits processors it accepts: validate.surface's probe finds none ignored
   (one probe per API; a server that refuses one by name passes);
 - afterwards the server drains: once it is idle, nothing running or waiting, KV use and, where
@@ -100,7 +99,7 @@ class Server:
     alone: dict = field(default_factory=dict)  # (case id, api) -> the server's answer with nothing else in flight
     bounds: Tolerances | None = None  # validate.bounds: against golden (precision) and against alone (batching)
     margins: LocalMargins | None = None  # the --model folder's float64 margins, for answers that carry none
-    processed: Golden | None = None  # the processed variants it answered alone (with_processed; validate.surface)
+    processed: Golden | None = None  # the golden cases and the variants it answered alone (with_processed)
 
     @property
     def tolerance(self) -> float:
@@ -133,19 +132,21 @@ def alone_requests(cases, id_prompts: bool) -> list[Planned]:
 
 
 def with_processed(server: Server) -> Server:
-    """The server with the golden cases' processed variants (validate.surface) and their answers alone
-    (fetched here, not by connect: the other properties' servers see exactly the requests they did). A
-    variant the server refuses (HF transformers serve: 422 on repetition_penalty) is left out."""
+    """The server with the golden cases' processed variants (validate.variants) and their answers alone
+    (fetched here, not by connect: the other properties' servers see exactly the requests they did), its
+    `processed` pool the golden cases and then the variants. A variant the server refuses (HF
+    transformers serve: 422 on repetition_penalty) is left out."""
     planned = alone_requests([v for case in server.golden.cases for v in variants(case)], server.id_prompts)
     kept, _ = send_alone(server.endpoint, planned, server.served_name, dialect=None)
     refused = {p.case.id for p in planned if (p.case.id, p.api) not in kept.answers}
     answered = list({p.case.id: p.case for p in planned if p.case.id not in refused}.values())
-    return replace(server, alone={**server.alone, **kept.answers}, processed=replace(server.golden, cases=answered))
+    return replace(server, alone={**server.alone, **kept.answers},
+                   processed=replace(server.golden, cases=server.golden.cases + answered))
 
 
 def http_property(check, server: Server, twins: bool = False, processed: bool = False, **overrides):
     """`check(server, schedule)` as a Hypothesis property over HTTP schedules of the golden cases (with
-    `processed`, of their processed variants: validate.surface)."""
+    `processed`, of them and their variants: with_processed)."""
     def run(schedule):
         check(server, schedule)
     run.__name__ = run.__qualname__ = check.__name__  # names the falsifying example and its database entry
@@ -159,8 +160,8 @@ def send(server: Server, schedule, baseline=None, start: float | None = None,
          dialect: Dialect | None = None, processed: bool = False) -> list[dict]:
     """Every request of the schedule at its arrival time (from `start`, default now), all in flight
     together; validate's records, judged by `baseline` (default: the golden file). `dialect` (default a
-    fresh one) holds the cache_salt: a fresh one is a cold cache. `processed`: a schedule of the processed
-    variants (server.processed)."""
+    fresh one) holds the cache_salt: a fresh one is a cold cache. `processed`: a schedule of the golden
+    cases and their variants (server.processed)."""
     planned = planned_requests(schedule, server.processed if processed else server.golden, server.arrival_step_s)
     baseline = baseline or GoldenBaseline(server.golden, server.tolerance)
     return replay(server.endpoint, planned, server.served_name, baseline, len(planned), dialect, start)
@@ -169,23 +170,16 @@ def send(server: Server, schedule, baseline=None, start: float | None = None,
 def answers_equal_alone(server: Server, schedule) -> None:
     """Validate's serial baseline as a property: every completed answer is the server's own alone
     answer to that case and API, except at the server's own top-2 margin (or --model's) within the batching tolerance
-    (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs)."""
-    equal_alone(server, schedule, "http-answers-equal-alone", "answers")
-
-
-def processed_answers_equal_alone(server: Server, schedule) -> None:
-    """The serial baseline for requests with logits processors: a server that keeps a request's penalty
-    counts, bias or min_tokens in batch state it mixes up answers them differently under load."""
-    equal_alone(server, schedule, "http-processed-answers-equal-alone", "answers with logits processors",
-                processed=True)
-
-
-def equal_alone(server: Server, schedule, name: str, what: str, processed: bool = False) -> None:
+    (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs). With
+    server.processed, the schedules mix in the variants: a server that keeps a request's penalty counts,
+    bias, min_tokens, prompt positions or forked answers in batch state it mixes up answers them
+    differently beside other requests."""
     records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins),
-                   processed=processed)
+                   processed=server.processed is not None)
     failed = [r for r in records if r["verdict"] in ("diverged", "error")]
     if failed:
-        fail(server, name, f"{what} that differ from the server's own alone answers; http schedule:\n"
+        fail(server, "http-answers-equal-alone", "answers that differ from the server's own alone answers; "
+             "http schedule:\n"
              + outcomes(records) + "\n"
              + "\n".join(describe_record(r, server.batching, "serial", server.margins is not None) for r in failed
                           if r["verdict"] == "diverged"), records)
@@ -403,14 +397,8 @@ def test_completed_answers_match_golden(server):
 
 
 def test_answers_equal_the_servers_own_alone_answers(server):
-    http_property(answers_equal_alone, server)()
-
-
-def test_answers_with_logits_processors_equal_the_servers_own_alone_answers(server):
-    server = with_processed(server)
-    if not server.processed.cases:
-        pytest.skip(f"{server.endpoint.url}: the server answered none of the processed variants alone")
-    http_property(processed_answers_equal_alone, server, processed=True)()
+    """...the golden cases and their variants, mixed in one schedule."""
+    http_property(answers_equal_alone, with_processed(server), processed=True)()
 
 
 def test_the_server_applies_the_logits_processors_it_accepts(server):

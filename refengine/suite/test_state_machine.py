@@ -10,7 +10,8 @@ aborted requests hold no block, a registered hash maps to one block); a register
 holds is registered under that sequence's own hash at that place (chained from its salt through its
 computed tokens: the same KV), and only registered blocks are held by two sequences; a registered
 block's KV (every layer's keys and values) never changes while it stays registered under the same
-hash, shared, cached on the free list or neither (nothing writes into KV another request may take); a
+hash, shared, cached on the free list or neither (nothing writes into KV another request may take; a
+block the engine evicted and registered again within one step holds new KV); a
 block held by several sequences is a registered one or a full block of the prompt that siblings forked
 (never the partial block a fork copies), and its KV never changes while they hold it;
 each running sequence holds
@@ -56,6 +57,8 @@ class SchedulerKVMachine(RuleBasedStateMachine):
                     "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128,
                     "scheduling_policy": policy[0], "scheduling_seed": policy[1], "enable_prefix_caching": caching}
         self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
+        self.evicted: set[int] = set()  # the registered blocks the engine evicted (unregistered) in the last step
+        self.engine.block_manager._evict = self.observed(self.engine.block_manager)
         self.schedule = {"engine": settings, "requests": []}
         self.capacity = num_blocks * block_size
         self.failed = False
@@ -64,6 +67,19 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.shared: dict[tuple[int, frozenset], bytes] = {}  # (block, the sequences holding it) -> its KV then
         for _ in range(first_requests):
             self.add(data)
+
+    def observed(self, manager):
+        """The block manager's eviction, noting each block it takes out of the cache: a free block may be
+        evicted, recomputed (in fast mode, other bits) and registered again under the same hash in one step;
+        one reused without being evicted (Fault.EVICTED_BLOCK_STILL_CACHED) is not noted."""
+        evict = manager._evict
+
+        def noting(block_id: int) -> None:
+            registered = block_id in manager.hash_of
+            evict(block_id)
+            if registered and block_id not in manager.hash_of:
+                self.evicted.add(block_id)
+        return noting
 
     def check(self, condition: bool, message: str) -> None:
         if not condition:
@@ -111,6 +127,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
     def step(self):
         status = self.engine.status()
         running_before = [s.request_id for s in self.engine.scheduler.running]
+        self.evicted = set()
         self.engine.step()
         entry = self.engine.trace[-1]
         scheduled = sum(c["num_tokens"] for c in entry["scheduled"])
@@ -180,10 +197,11 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         for block_hash, block in self.engine.block_manager.cached.items():
             kv = runner.k_cache[:, block].tobytes() + runner.v_cache[:, block].tobytes()
             first = self.registered.get(block_hash)
-            self.check(first is None or first[0] != block or first[1] == kv,
+            again = block in self.evicted  # evicted and registered again since it was seen: new KV
+            self.check(first is None or first[0] != block or first[1] == kv or again,
                        f"after step {self.engine.num_steps - 1}: block {block}, registered under one hash since "
                        f"then, holds other KV than when it was registered: written while others may take it")
-            seen[block_hash] = first if first is not None and first[0] == block else (block, kv)
+            seen[block_hash] = first if first is not None and first[0] == block and not again else (block, kv)
         self.registered = seen
 
     def shared_kv_never_changes(self, shared: dict[int, frozenset]):

@@ -3,7 +3,7 @@
 only against the same server's answer to it alone (the serial baseline): a server that keeps a request's
 penalty counts, bias, prompt positions or forked answers in batch state it gets wrong is caught where the
 variant runs beside others. validate's load sends them (plan: Settings.variant_rate), and so does the
-HTTP property `test_answers_with_logits_processors_equal_the_servers_own_alone_answers`.
+HTTP property `test_answers_equal_the_servers_own_alone_answers`, beside the golden cases.
 """
 from __future__ import annotations
 
