@@ -20,8 +20,10 @@ from refengine.cli import main
 from refengine.data import shipped
 from refengine.sampling import PROCESSOR_KEYS
 from refengine.validate.board import Cases, validate
+from refengine.validate.client import ServerError
 from refengine.validate.dialect import names
 from refengine.validate.plan import Settings
+from refengine.validate.surface import server_failed, surface_notes
 
 GOLDEN = shipped("golden", "tiny-random.jsonl")
 HF_KEYS = {"model", "messages", "prompt", "max_tokens", "temperature", "stream"}  # what HF serve accepts here
@@ -94,6 +96,8 @@ def dialect_server(golden, dialect: str):
                 if unexpected or unused:
                     what = "Unexpected keys" if unexpected else "Unsupported fields"
                     return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
+            if dialect == "fails-on-n" and body.get("n", 1) > 1:  # an engine that breaks on a fork
+                return self.reply(500, {"error": {"message": "engine failed: AssertionError()"}})
             processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo", "n"})
             if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
                 return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
@@ -224,6 +228,27 @@ def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(ser
     assert report["dialect"]["return_token_ids"] == "refused" and report["dialect"]["no_done_marker"]
     assert report["dialect"]["apis"]["chat"] == {"token_ids_from": None, "logprobs_requested": False,  # refused
                                                  "logprobs": False, "prompt_token_ids": False}
+
+
+def test_a_server_failing_on_a_parameter_is_a_finding_and_fails_the_run(serve, golden):
+    """An HTTP 500 on `n` is the server's failure, not its refusal: the surface probe's `failed`, a FINDING."""
+    report = validate(serve("fails-on-n"), Cases.of_golden(golden), Settings(concurrency=4, seed=2, cancel_rate=0.0,
+                                                                             timeout=30, variant_rate=0.0))
+    surface = report["surface"]
+    assert {surface[api]["n"]["verdict"] for api in ("chat", "completions")} == {"failed"}
+    assert {surface[api]["logit_bias"]["verdict"] for api in ("chat", "completions")} == {"refused"}  # a 400 naming it
+    assert report["summary"]["verdict"] == "FAIL" and report["summary"]["surface_ignored"] == 2
+    assert report["summary"]["diverged"] == report["summary"]["error"] == 0
+    assert "FINDING: chat: the server fails on n (" in "\n".join(surface_notes(surface))
+
+
+@pytest.mark.parametrize("error, failed", [(ServerError("HTTP 500: engine failed", 500), True),
+                                           (ServerError("broken HTTP response", None), True),
+                                           (TimeoutError("timed out"), True),
+                                           (ServerError("HTTP 400: bad request", 400), False),
+                                           (ServerError("HTTP 401: no key", 401), False)])
+def test_a_5xx_a_broken_answer_or_none_is_the_servers_failure(error, failed):
+    assert server_failed(error) is failed
 
 
 def test_a_trailing_incomplete_character_held_back_is_unsettled_not_a_divergence(serve, golden):

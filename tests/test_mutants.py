@@ -35,6 +35,7 @@ T_FORKS = ["tests/test_forks.py"]
 BASELINE, T_BASELINES = "refengine/validate/baseline.py", ["tests/test_validate_baselines.py", "-k", "prompt_logprobs"]
 WIRE, BOARD, PLAN = (f"refengine/validate/{m}.py" for m in ("wire", "board", "plan"))
 T_CHOICES = ["tests/test_validate_baselines.py", "-k", "choice"]
+T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "failing_on or 5xx"]
 T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
@@ -201,6 +202,12 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "            offsets.append(", T_SPECIALS),
     ("refengine/check/golden.py", "any(not k.isdigit() or not isinstance(v, str) or not v", "any(not v", T_SPECIALS),
     ("refengine/validate/report.py", "    if rendered:\n", "    if False:\n", T_SPECIALS),
+    ("refengine/validate/variants.py", "most = min(case.max_tokens, VARIANT_MAX_TOKENS)", "most = case.max_tokens",
+     T_SURFACE),
+    (SURFACE, 'FINDINGS = ("ignored", "wrong", "failed")', 'FINDINGS = ("ignored", "wrong")', T_SERVER_FAILED),
+    (SURFACE, "e.status is None or e.status >= 500", "e.status is None or e.status > 500", T_SERVER_FAILED),
+    (SURFACE, 'verdict = "refused" if refused else "failed" if server_failed(e) else "error"',
+     'verdict = "refused" if refused else "error"', T_SERVER_FAILED),
 ]
 
 

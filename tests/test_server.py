@@ -386,6 +386,7 @@ BAD_REQUESTS = {
                              "min_tokens"),
     "min-tokens-negative": ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    "top-logprobs-without-logprobs": ("/v1/chat/completions", {**CAPITAL, "top_logprobs": 2}, 400, "top_logprobs"),
     "prompt-logprobs-negative": ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     "prompt-logprobs-too-many": ("/v1/chat/completions", {**CAPITAL, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     "prompt-logprobs-text": ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "2"}, 400, "prompt_logprobs"),
@@ -406,6 +407,7 @@ def test_bad_request_gets_a_json_4xx_and_the_server_keeps_serving(server, name):
     assert code == expected_status, error
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
+    assert param is None or error["code"], error  # a field's error says what kind it is (invalid_value, ...)
     assert generate(server, "completion", {"prompt": "hi", "max_tokens": 2}, stream=False)["token_ids"]
 
 

@@ -234,7 +234,7 @@ def test_requests_the_server_refuses_are_errors_and_fail_validation(serve, tmp_p
     url = serve("--max-model-len", "64")  # the long cases' prompt + max_tokens do not fit
     report_path = tmp_path / "report.json"
     code = main(["validate", "--url", url, "--golden", str(GOLDEN), "--cancel-rate", "0", "--report", str(report_path),
-                 "--repro", str(tmp_path / "repro.json")])
+                 "--repro", str(tmp_path / "repro.json"), "--variant-rate", "0"])  # a variant asks for fewer tokens
     assert code == 1
     errors = {r["case"]: r["error"] for r in json.loads(report_path.read_text())["requests"] if r["verdict"] == "error"}
     too_long = {c.id for c in read_golden(GOLDEN).cases if len(c.prompt_ids) + c.max_tokens > 64}

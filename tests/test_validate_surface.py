@@ -3,9 +3,12 @@ answers' tokens and margins), the probe's verdicts against refengine serve, and 
 of a case (ids that a repro resolves back)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from refengine.check.golden import GoldenCase
+from refengine.validate.plan import Planned, request_body
 from refengine.validate.repro import planned_from
 from refengine.validate.surface import _reported, ignored, must_change_at, surface_notes
 from refengine.validate.variants import ProcessedCase, variants
@@ -55,8 +58,15 @@ def test_a_processed_variant_is_its_case_with_fields_and_resolves_from_a_repro()
     data = {"source": "g.jsonl", "requests": [{"id": "r0", "case": "c+bias", "api": "completions", "streamed": False,
                                                "arrival_s": 0.0, "cancel_after": None}]}
     assert planned_from(data, [case()], "repro.json")[0].case == bias
-    no_answer = ProcessedCase(case(token_ids=()), "x", "{}")
+    no_answer = ProcessedCase(case(token_ids=()), "x", "{}", 4)
     assert [v.variant for v in variants(no_answer.base)] == ["penalties", "prompt-logprobs", "n"]  # no token to bias
+
+
+def test_a_variant_of_a_long_answer_asks_for_at_most_32_tokens():
+    long = replace(case(), max_tokens=96)
+    for variant in variants(long):
+        assert variant.max_tokens == 32 and long.max_tokens == 96
+        assert request_body(Planned("r0", variant, "completions", 0.0, False, None), "m")["max_tokens"] == 32
 
 
 def text(value: str, prompt_ids=None, scored=None) -> Completion:

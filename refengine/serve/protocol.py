@@ -136,20 +136,21 @@ def _logprobs(kind: str, body: dict) -> int | None:
         wanted = _typed(body, "logprobs", (bool,), False, "a boolean")
         top = _typed(body, "top_logprobs", (int,), 0, "an integer")
         if top and not wanted:
-            raise ApiError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+            raise ApiError(400, "top_logprobs: requires logprobs: true", param="top_logprobs", code="invalid_value")
         name, count = "top_logprobs", top if wanted else None
     else:
         name = "logprobs"
         count = _typed(body, "logprobs", (int,), None, "an integer")
     if count is not None and not 0 <= count <= MAX_LOGPROBS:
-        raise ApiError(400, f"{name}: must be between 0 and {MAX_LOGPROBS}, got {count}", param=name)
+        raise ApiError(400, f"{name}: must be between 0 and {MAX_LOGPROBS}, got {count}", param=name,
+                       code="invalid_value")
     return count
 
 
 def _n(body: dict) -> int:
     n = _typed(body, "n", (int,), 1, "an integer")
     if not 1 <= n <= MAX_N:
-        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {n}", param="n")
+        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {n}", param="n", code="invalid_value")
     return n
 
 
@@ -187,7 +188,7 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
     prompt_logprobs = _typed(body, "prompt_logprobs", (int,), None, "an integer")
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"prompt_logprobs: must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}",
-                       param="prompt_logprobs")
+                       param="prompt_logprobs", code="invalid_value")
     scored = [k for k in (prompt_logprobs, logprobs if echo is not None else None) if k is not None]
     try:
         params = SamplingParams(

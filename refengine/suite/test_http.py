@@ -187,7 +187,8 @@ def answers_equal_alone(server: Server, schedule) -> None:
 
 def applies_what_it_accepts(server: Server) -> None:
     """validate.surface's probe, on the first golden case of each API: no logits processor the server
-    accepts may be ignored, and no prompt logprobs or echo it answers may be ignored or wrong."""
+    accepts may be ignored, no prompt logprobs, echo or n it answers may be ignored or wrong, and the server
+    may fail on none of them (HTTP 5xx, no answer)."""
     ignored = {}
     for api in ("completions", "chat"):
         case = next((c for c in server.golden.cases if api == "completions" and (server.id_prompts or not c.messages)
@@ -198,8 +199,8 @@ def applies_what_it_accepts(server: Server) -> None:
                                                                                Dialect()).items()
                         if v["verdict"] in FINDINGS}
     if ignored:
-        raise PropertyFailure("http-applies-what-it-accepts: the server accepts parameters it ignores or answers "
-                              "wrongly: " + "; ".join(f"{k} ({why})" for k, why in ignored.items()))
+        raise PropertyFailure("http-applies-what-it-accepts: the server accepts parameters it ignores, answers "
+                              "wrongly or fails on: " + "; ".join(f"{k} ({why})" for k, why in ignored.items()))
 
 
 def outcomes(records: list[dict]) -> str:

@@ -25,7 +25,9 @@ change: a finding), "wrong" (an answer that is neither: prompt logprobs that do 
 prompt, an echo that is not the prompt: a finding), "unsupported" (an extension the server does not
 know and answers without: a note, as OpenAI servers ignore unknown fields), "refused" (4xx naming it),
 "accepted" (answered, and the plain answer has no step where the parameter must act: not probed
-further), "error" (any other failure).
+further), "failed" (the server failed on it: HTTP 5xx, a broken answer, or none within the probe's wait:
+a finding, as an engine that breaks on a well-formed request is broken), "error" (any other refusal: a
+4xx that does not name it).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ REPORTS = {"prompt_logprobs": (("completions", "chat"), 1), "echo": (("completio
            "n": (("completions", "chat"), N)}                                                # (APIs probed, value)
 PROBE_TIMEOUT_S = 60.0  # one short greedy answer each: a server that takes longer (a faulty engine that never
 # ends a request) is an `error` for that parameter, not a run held for --timeout
-FINDINGS = ("ignored", "wrong")
+FINDINGS = ("ignored", "wrong", "failed")
 PENALTY = 2.0  # the largest OpenAI allows
 
 
@@ -109,8 +111,8 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
     try:
         plain = send(endpoint, api, body, None, dialect, salt=salt)
     except (ServerError, OSError) as e:
-        return {name: {"verdict": "error", "why": f"the plain probe request failed: {str(e)[:200]}"}
-                for name in (*PARAMETERS, *reports)}
+        return {name: {"verdict": "failed" if server_failed(e) else "error",
+                       "why": f"the plain probe request failed: {str(e)[:200]}"} for name in (*PARAMETERS, *reports)}
     ids = plain.token_ids
     tests: dict[str, tuple[dict, int | None, str]] = {}  # parameter -> (fields, step it must change by, why)
     if ids:
@@ -133,12 +135,10 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
         must = (name in probed and step is not None) or (name == "min_tokens" and stopped)
         try:
             got = send(endpoint, api, {**body, **fields}, None, dialect, salt=salt)
-        except ServerError as e:
-            refused = e.status in REFUSAL_STATUSES and names(str(e), name)
-            out[name] = {"verdict": "refused" if refused else "error", "why": str(e)[:200]}
-            continue
-        except OSError as e:
-            out[name] = {"verdict": "error", "why": str(e) or type(e).__name__}
+        except (ServerError, OSError) as e:
+            refused = isinstance(e, ServerError) and e.status in REFUSAL_STATUSES and names(str(e), name)
+            verdict = "refused" if refused else "failed" if server_failed(e) else "error"
+            out[name] = {"verdict": verdict, "why": str(e)[:200] or type(e).__name__}
             continue
         if name in REPORTS:
             out[name] = _reported(name, plain, got)
@@ -149,6 +149,12 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
         else:
             out[name] = {"verdict": "ignored", "why": f"{why}, yet the answer is the plain one"}
     return out
+
+
+def server_failed(e: Exception) -> bool:
+    """An answer that is the server's failure, not its refusal: HTTP 5xx, a broken or malformed answer
+    (no status), or no answer at all (a timeout, a closed connection)."""
+    return not isinstance(e, ServerError) or e.status is None or e.status >= 500
 
 
 def surface_notes(surface: dict | None) -> list[str]:
@@ -162,12 +168,14 @@ def surface_notes(surface: dict | None) -> list[str]:
                 notes.append(f"FINDING: {api}: the server accepts {name} and ignores it ({v['why']})")
             elif v["verdict"] == "wrong":
                 notes.append(f"FINDING: {api}: the server answers {name} wrongly ({v['why']})")
+            elif v["verdict"] == "failed":
+                notes.append(f"FINDING: {api}: the server fails on {name} ({v['why']})")
             elif v["verdict"] in ("refused", "error", "unsupported"):
                 notes.append(f"note: {api}: {name} {v['verdict']} ({v['why']})")
     return notes
 
 
 def ignored(surface: dict | None) -> list[str]:
-    """`api: parameter` for every parameter a server ignores or answers wrongly (FINDINGS)."""
+    """`api: parameter` for every parameter a server ignores, answers wrongly or fails on (FINDINGS)."""
     return [f"{api}: {name}" for api, verdicts in (surface or {}).items()
             for name, v in verdicts.items() if v["verdict"] in FINDINGS]
