@@ -310,21 +310,30 @@ def test_a_hang_up_counts_what_the_server_had_already_sent():
     assert tokens_to_come({"tokens": None}, 60) is None and tokens_to_come({"tokens": 3}, None) is None
 
 
-def test_a_quarter_of_the_load_goes_as_variants_drawn_apart_and_a_refused_one_as_its_case():
-    from refengine.check.golden import read_golden
+@pytest.mark.parametrize("source", ["golden", "prompts"])
+def test_a_quarter_of_the_load_goes_as_variants_drawn_apart_and_a_refused_one_as_its_case(source):
+    """Against a golden file and a prompt set (no answer known: a hang-up is drawn from max_tokens, which a
+    variant cuts to 32)."""
+    from refengine.check.golden import load_prompts, read_golden
     from refengine.data import shipped
     from refengine.validate.plan import Settings, plan
-    cases = read_golden(shipped("golden/tiny-random.jsonl")).cases
-    plain = plan(cases, Settings(variant_rate=0.0, repeat=4), 2.0)
-    mixed = plan(cases, Settings(repeat=4), 2.0)
-    strip = [(p.arrival_s, p.stream, p.cancel_after, p.cache, p.api) for p in plain]
-    assert strip == [(p.arrival_s, p.stream, p.cancel_after, p.cache, p.api) for p in mixed]  # no other draw moved
+    cases = read_golden(shipped("golden/tiny-random.jsonl")).cases if source == "golden" else \
+        load_prompts(shipped("golden/prompts/seed-experiment.jsonl"))
+    assert max(c.max_tokens for c in cases) > 32
+    plain = plan(cases, Settings(variant_rate=0.0, repeat=8, cancel_rate=0.9), 2.0)
+    mixed = plan(cases, Settings(repeat=8, cancel_rate=0.9), 2.0)
+    strip = [(p.arrival_s, p.stream, p.cache, p.api) for p in plain]
+    assert strip == [(p.arrival_s, p.stream, p.cache, p.api) for p in mixed]  # no other draw moved
+    for p, q in zip(plain, mixed):  # the hang-up point too, cut to a variant's shorter answer
+        cut = None if p.cancel_after is None else min(p.cancel_after, max(1, q.case.max_tokens - 1))
+        assert q.cancel_after == cut
+    assert any(q.cancel_after and q.cancel_after < p.cancel_after for p, q in zip(plain, mixed))  # one was cut
     drawn = [p for p in mixed if "+" in p.case.id]
-    assert 0.15 < len(drawn) / len(mixed) < 0.35 and {p.case.variant for p in drawn} == {"penalties", "prompt-logprobs",
-                                                                                          "n", "bias"}
+    kinds = {"penalties", "prompt-logprobs", "n"} | ({"bias"} if source == "golden" else set())  # bias: on the answer
+    assert 0.15 < len(drawn) / len(mixed) < 0.35 and {p.case.variant for p in drawn} == kinds
     assert all(p.id.split("#")[0] == p.case.id and p.case.base in cases for p in drawn)
     refused = frozenset((p.case.id, p.api) for p in drawn if p.case.variant == "n")
-    again = plan(cases, Settings(repeat=4), 2.0, refused=refused)
+    again = plan(cases, Settings(repeat=8, cancel_rate=0.9), 2.0, refused=refused)
     assert [p.case.id for p in again] == [p.case.base.id if (p.case.id, p.api) in refused else p.case.id for p in mixed]
 
 

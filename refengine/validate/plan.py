@@ -86,20 +86,24 @@ def plan(cases: list, settings: Settings, spread: float, source="cases",
     """The random join/leave schedule, fixed by the seed; arrivals uniform over `spread` seconds. A
     request may hang up only where its case's answer has at least two tokens to come. The cache groups
     and the variants are drawn apart (their own generators: they move no other draw), a third of the
-    requests in each group; a variant whose (case id, api) is in `refused` goes as its case."""
+    requests in each group; a variant whose (case id, api) is in `refused` goes as its case. Whether and
+    where a request hangs up is drawn from its case's answer, and a variant's shorter answer only cuts
+    the hang-up point down to it: the draws stay the case's."""
     rng, pick = random.Random(settings.seed), random.Random(f"{settings.seed}:variants")
     planned = []
     for copy in range(settings.repeat):
         for case in cases:
+            sent = case
             if pick.random() < settings.variant_rate:
                 variant = pick.choice(variants(case))
-                case = case if (variant.id, case_api(variant, settings.api, source)) in refused else variant
-            api = case_api(case, settings.api, source)
-            cancel = expected_length(case) > 1 and rng.random() < settings.cancel_rate
+                sent = case if (variant.id, case_api(variant, settings.api, source)) in refused else variant
+            api = case_api(sent, settings.api, source)
+            length = expected_length(case)
+            cancel = length > 1 and rng.random() < settings.cancel_rate
             planned.append(Planned(
-                case.id if settings.repeat == 1 else f"{case.id}#{copy}", case, api,
+                sent.id if settings.repeat == 1 else f"{sent.id}#{copy}", sent, api,
                 round(rng.uniform(0, 1) * spread, 3), stream=cancel or rng.random() < 0.5,
-                cancel_after=rng.randint(1, expected_length(case) - 1) if cancel else None))
+                cancel_after=min(rng.randint(1, length - 1), max(1, sent.max_tokens - 1)) if cancel else None))
     order = random.Random(f"{settings.seed}:cache").sample(range(len(planned)), len(planned))
     groups = {n: CACHE[rank * len(CACHE) // len(planned)] for rank, n in enumerate(order)}
     planned = [replace(p, cache=groups[n]) for n, p in enumerate(planned)]
