@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 
 # A variant's answer is cut at this many tokens: per-request state goes wrong in the steps after a
-# neighbour joins or leaves, which a short answer has as well as a long one (the suite's conversations
-# have 64- and 96-token answers, whose variants alone took most of its variant requests' time).
+# neighbour joins or leaves, which a short answer has as well as a long one; a long answer's variant
+# only adds time (each is sent alone too).
 VARIANT_MAX_TOKENS = 32
 
 
