@@ -62,7 +62,7 @@ class Answer:
 
 def dialect_server(golden, dialect: str):
     """A ThreadingHTTPServer answering /v1/models and both completion APIs in `dialect`."""
-    cases = golden.cases
+    cases, broken = golden.cases, []
 
     def find(api, body):
         for case in cases:
@@ -96,8 +96,12 @@ def dialect_server(golden, dialect: str):
                 if unexpected or unused:
                     what = "Unexpected keys" if unexpected else "Unsupported fields"
                     return self.reply(422, {"detail": f"{what} in the request: {unexpected or unused}"})
-            if dialect == "fails-on-n" and body.get("n", 1) > 1:  # an engine that breaks on a fork
+            if dialect == "breaks-on-n" and (broken or body.get("n", 1) > 1):  # an engine that dies on a fork
+                broken.append(True)
                 return self.reply(500, {"error": {"message": "engine failed: AssertionError()"}})
+            if dialect == "500-on-n" and body.get("n", 1) > 1:  # llama.cpp's refusal of n != 1
+                return self.reply(500, {"error": {"code": 500, "message": "Only one completion choice is allowed",
+                                                  "type": "server_error"}})
             processors = sorted(set(body) & {*PROCESSOR_KEYS, "prompt_logprobs", "echo", "n"})
             if processors and dialect != "hf":  # it answers from a golden file: it cannot apply them, so it says so
                 return self.reply(400, {"error": {"message": f"{processors[0]}: not supported by this test server"}})
@@ -230,16 +234,22 @@ def test_hf_serve_refuses_the_extension_fields_and_ends_streams_without_done(ser
                                                  "logprobs": False, "prompt_token_ids": False}
 
 
-def test_a_server_failing_on_a_parameter_is_a_finding_and_fails_the_run(serve, golden):
-    """An HTTP 500 on `n` is the server's failure, not its refusal: the surface probe's `failed`, a FINDING."""
-    report = validate(serve("fails-on-n"), Cases.of_golden(golden), Settings(concurrency=4, seed=2, cancel_rate=0.0,
-                                                                             timeout=30, variant_rate=0.0))
-    surface = report["surface"]
-    assert {surface[api]["n"]["verdict"] for api in ("chat", "completions")} == {"failed"}
-    assert {surface[api]["logit_bias"]["verdict"] for api in ("chat", "completions")} == {"refused"}  # a 400 naming it
-    assert report["summary"]["verdict"] == "FAIL" and report["summary"]["surface_ignored"] == 2
+@pytest.mark.parametrize("dialect", ["breaks-on-n", "500-on-n"])
+def test_a_server_broken_by_a_parameter_fails_the_run_and_one_refusing_it_with_a_500_does_not(serve, golden, dialect):
+    """An HTTP 500 on `n` after which the server fails every request (its engine died) is the surface probe's
+    `failed`, a FINDING; a 500 the server serves on after (llama.cpp's refusal of n != 1) is an `error`, a
+    note."""
+    report = validate(serve(dialect), Cases.of_golden(golden), Settings(concurrency=4, seed=2, cancel_rate=0.0,
+                                                                        timeout=30, variant_rate=0.0))
+    surface, notes = report["surface"], "\n".join(surface_notes(report["surface"]))
     assert report["summary"]["diverged"] == report["summary"]["error"] == 0
-    assert "FINDING: chat: the server fails on n (" in "\n".join(surface_notes(surface))
+    if dialect == "breaks-on-n":
+        assert surface["chat"]["n"]["verdict"] == "failed" and "then the plain request failed too" in notes
+        assert report["summary"]["verdict"] == "FAIL" and "FINDING: chat: the server fails on n (" in notes
+    else:
+        assert {surface[api]["n"]["verdict"] for api in ("chat", "completions")} == {"error"}
+        assert {surface[api]["logit_bias"]["verdict"] for api in surface} == {"refused"}  # a 400 naming it
+        assert report["summary"]["verdict"] == "PASS" and "the server answers the plain request after it" in notes
 
 
 @pytest.mark.parametrize("error, failed", [(ServerError("HTTP 500: engine failed", 500), True),

@@ -35,7 +35,7 @@ T_FORKS = ["tests/test_forks.py"]
 BASELINE, T_BASELINES = "refengine/validate/baseline.py", ["tests/test_validate_baselines.py", "-k", "prompt_logprobs"]
 WIRE, BOARD, PLAN = (f"refengine/validate/{m}.py" for m in ("wire", "board", "plan"))
 T_CHOICES = ["tests/test_validate_baselines.py", "-k", "choice"]
-T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "failing_on or 5xx"]
+T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "broken_by or 5xx"]
 T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
@@ -209,8 +209,10 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     (PLAN, "            length = expected_length(case)\n", "            length = expected_length(sent)\n", T_VARIANTS),
     (SURFACE, 'FINDINGS = ("ignored", "wrong", "failed")', 'FINDINGS = ("ignored", "wrong")', T_SERVER_FAILED),
     (SURFACE, "e.status is None or e.status >= 500", "e.status is None or e.status > 500", T_SERVER_FAILED),
-    (SURFACE, 'verdict = "refused" if refused else "failed" if server_failed(e) else "error"',
-     'verdict = "refused" if refused else "error"', T_SERVER_FAILED),
+    (SURFACE, "out[name] = failure(e, lambda: send(endpoint, api, body, None, dialect, salt=salt), dialect)",
+     'out[name] = {"verdict": "error", "why": str(e)}', T_SERVER_FAILED),
+    (SURFACE, 'return {"verdict": "error", "why": f"{why} (the server answers the plain request after it)"}',
+     'return {"verdict": "failed", "why": why}', T_SERVER_FAILED),
 ]
 
 

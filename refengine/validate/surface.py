@@ -25,9 +25,10 @@ change: a finding), "wrong" (an answer that is neither: prompt logprobs that do 
 prompt, an echo that is not the prompt: a finding), "unsupported" (an extension the server does not
 know and answers without: a note, as OpenAI servers ignore unknown fields), "refused" (4xx naming it),
 "accepted" (answered, and the plain answer has no step where the parameter must act: not probed
-further), "failed" (the server failed on it: HTTP 5xx, a broken answer, or none within the probe's wait:
-a finding, as an engine that breaks on a well-formed request is broken), "error" (any other refusal: a
-4xx that does not name it).
+further), "failed" (no answer within the probe's wait, or an HTTP 5xx or broken answer after which the
+server fails the plain request too: a finding, as a server that a well-formed request hangs or breaks is
+broken), "error" (any other failure: a 4xx that does not name it, or a 5xx the server goes on serving
+after, as llama.cpp refuses `n` 2 and `echo` with HTTP 500).
 """
 from __future__ import annotations
 
@@ -136,9 +137,10 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
         try:
             got = send(endpoint, api, {**body, **fields}, None, dialect, salt=salt)
         except (ServerError, OSError) as e:
-            refused = isinstance(e, ServerError) and e.status in REFUSAL_STATUSES and names(str(e), name)
-            verdict = "refused" if refused else "failed" if server_failed(e) else "error"
-            out[name] = {"verdict": verdict, "why": str(e)[:200] or type(e).__name__}
+            if isinstance(e, ServerError) and e.status in REFUSAL_STATUSES and names(str(e), name):
+                out[name] = {"verdict": "refused", "why": str(e)[:200]}
+            else:
+                out[name] = failure(e, lambda: send(endpoint, api, body, None, dialect, salt=salt), dialect)
             continue
         if name in REPORTS:
             out[name] = _reported(name, plain, got)
@@ -152,9 +154,26 @@ def probe_surface(endpoint: Endpoint, api: str, body: dict, dialect: Dialect) ->
 
 
 def server_failed(e: Exception) -> bool:
-    """An answer that is the server's failure, not its refusal: HTTP 5xx, a broken or malformed answer
-    (no status), or no answer at all (a timeout, a closed connection)."""
+    """An answer that may be the server's failure rather than its refusal: HTTP 5xx, a broken or
+    malformed answer (no status), or no answer at all (a timeout, a closed connection)."""
     return not isinstance(e, ServerError) or e.status is None or e.status >= 500
+
+
+def failure(e: Exception, plain, dialect: Dialect) -> dict:
+    """The verdict of a probe request that failed with `e` (not a refusal naming its parameter). No answer
+    is `failed`; a 5xx or a broken answer is `failed` only where the server then fails `plain()` (the
+    plain probe request again) too, else an `error`: some servers refuse with a 500 and serve on."""
+    why = str(e)[:200] or type(e).__name__
+    if not server_failed(e):
+        return {"verdict": "error", "why": why}
+    if isinstance(e, ServerError):
+        dialect.surface_requests += 1
+        try:
+            plain()
+        except (ServerError, OSError) as after:
+            return {"verdict": "failed", "why": f"{why}; then the plain request failed too: {str(after)[:200]}"}
+        return {"verdict": "error", "why": f"{why} (the server answers the plain request after it)"}
+    return {"verdict": "failed", "why": why}
 
 
 def surface_notes(surface: dict | None) -> list[str]:
