@@ -23,6 +23,7 @@ from refengine.engine import EngineConfig, LLMEngine
 from refengine.model import load_model
 from refengine.sampling import SamplingParams
 from refengine.serve import OpenAIServer
+from refengine.serve.handler import peek_empty, peer_closed
 
 DEADLINE_S = 30
 MAX_BODY = 64 * 1024
@@ -560,6 +561,25 @@ def hang_up_after_one_chunk(server, max_tokens=500):
     assert response.status == 200 and response.readline().startswith(b"data: ")
     sock.shutdown(socket.SHUT_RDWR)
     conn.close()
+
+
+def test_a_peek_at_a_socket_whose_data_was_read_never_waits():
+    """The engine thread peeks at a client's socket that poll found readable; the worker may have read
+    what made it so in between. The connection's own recv would then wait for data up to its timeout
+    (2 s here, the handler's 60 s in a server: every request stalled that long) and call the client gone;
+    the peek says at once that it is not."""
+    ours, client = socket.socketpair()
+    ours.settimeout(2.0)  # as the handler's connection has one
+    try:
+        client.sendall(b"GET")
+        assert not peer_closed(ours)  # data to read: not gone
+        ours.recv(3)  # the worker reads it
+        assert peek_empty(ours) is False and ours.gettimeout() == 2.0
+        client.close()
+        assert peer_closed(ours)  # now the peer has closed
+    finally:
+        ours.close()
+        client.close()
 
 
 @pytest.mark.parametrize("fault", [None, "slot-leak", "hang-up-without-abort"])

@@ -83,7 +83,10 @@ def test_the_default_run_fails_stale_block_tables_after_preemption(serve, tmp_pa
     code, report = validate(tmp_path, "--url", serve("stale-block-table-after-preemption", **SMALL_POOL),
                             "--golden", str(GOLDEN))
     assert code == 1 and report["summary"]["verdict"] == "FAIL" and report["summary"]["error"] == 0
-    assert report["summary"]["diverged"] > 0 or not report["drain"]["drained"]
+    # its answers diverge, or it never drains, or (a load that met neither) the n probe kills its engine
+    died = [name for verdicts in (report["surface"] or {}).values() for name, v in verdicts.items()
+            if v["verdict"] == "failed"]
+    assert report["summary"]["diverged"] > 0 or not report["drain"]["drained"] or "n" in died, report["surface"]
 
 
 @pytest.mark.parametrize("engine", [{}, SMALL_POOL], ids=["default-pool", "small-pool"])

@@ -3,6 +3,7 @@ engine thread and writes the answer, whole or as SSE, noticing when the client h
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 from http import HTTPStatus
@@ -214,17 +215,10 @@ class Handler(BaseHTTPRequestHandler):
         return stream.num_cached_tokens if self.server.engine.config.enable_prefix_caching else None
 
     def _client_gone(self) -> bool:
-        """A closed peer makes the socket readable with nothing to read. Called by the engine thread
-        too (EngineThread._abort_hung_up), also once this worker has closed the socket: a closed
-        socket (descriptor -1, ValueError) is gone. The peek never waits: what made the socket readable
-        may be read by this worker before the engine thread peeks, and a blocking peek would then hold
-        the engine thread, and every request, until the client sends or closes."""
+        """Called by the engine thread too (EngineThread._abort_hung_up), also once this worker has
+        closed the socket: a closed socket (descriptor -1, ValueError) is gone."""
         try:
-            poller = select.poll()  # not select(): it fails on descriptors above 1023
-            poller.register(self.connection, select.POLLIN)
-            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
+            return peer_closed(self.connection)
         except (OSError, ValueError):
             return True
 
@@ -265,3 +259,24 @@ def generated(event: TokenEvent, num_logprobs: int | None) -> list[Generated]:
     if event.token_id is None:
         return []
     return [Generated(event.token_id, event.text_delta, event.logprob, event.top_logprobs[:num_logprobs or 0])]
+
+
+def peer_closed(connection: socket.socket) -> bool:
+    """A closed peer makes the socket readable with nothing to read. The peek never waits: what made the
+    socket readable may have been read by the worker before the engine thread peeks, and the
+    connection's own recv waits for data up to its timeout whatever the flags say (CPython polls before
+    it reads on a socket with a timeout), which held the engine thread, and every request, that long.
+    So the peek goes through a duplicate of the descriptor without a timeout, its flags untouched
+    (tests/test_server.py: test_a_peek_at_a_socket_whose_data_was_read_never_waits)."""
+    poller = select.poll()  # not select(): it fails on descriptors above 1023
+    poller.register(connection, select.POLLIN)
+    return bool(poller.poll(0)) and peek_empty(connection)
+
+
+def peek_empty(connection: socket.socket) -> bool:
+    """Whether the peer has closed a readable socket (nothing to read): at once, data or none."""
+    with socket.socket(fileno=os.dup(connection.fileno())) as peek:  # no timeout: recv does not poll first
+        try:
+            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
