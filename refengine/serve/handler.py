@@ -275,7 +275,13 @@ def peer_closed(connection: socket.socket) -> bool:
 
 def peek_empty(connection: socket.socket) -> bool:
     """Whether the peer has closed a readable socket (nothing to read): at once, data or none."""
-    with socket.socket(fileno=os.dup(connection.fileno())) as peek:  # no timeout: recv does not poll first
+    descriptor = os.dup(connection.fileno())
+    try:
+        peek = socket.socket(fileno=descriptor)  # no timeout: its recv does not poll first
+    except OSError:
+        os.close(descriptor)
+        raise
+    with peek:
         try:
             return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
