@@ -87,13 +87,13 @@ def long_golden(tiny_model, tmp_path_factory):
 
 
 def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lambda schedule: True,
-         golden=None, engine=None, processed=False, **server_settings):
+         golden=None, engine=None, **server_settings):
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
     derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
     PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough.
     `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
-    EngineConfig settings; `processed`: schedules of the cases and their variants (with_processed)."""
+    EngineConfig settings."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,
                                                    **(engine or {})),
                           host="127.0.0.1", **server_settings)
@@ -109,9 +109,8 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     on_faulty_server.__name__ = name
     try:
         found = http_property(on_faulty_server,
-                              (with_processed if processed else lambda server: server)(
-                                  connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl")))),
-                              processed=processed, derandomize=True, database=None, report_multiple_bugs=False)
+                              connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl"))),
+                              derandomize=True, database=None, report_multiple_bugs=False)
         with pytest.raises(SmallEnough) as small:
             found()
     finally:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
-from refengine.check.golden import read_golden
+from refengine.check.golden import GoldenCase, read_golden
 from refengine.cli import main
 from refengine.data import shipped
 from refengine.engine import EngineConfig
 from refengine.serve import OpenAIServer
-from refengine.validate.baseline import judge_serial, prompt_logprobs_difference
+from refengine.validate.baseline import SerialBaseline, judge_serial, prompt_logprobs_difference
 from refengine.validate.board import send_alone, served_model
 from refengine.validate.client import Endpoint
 from refengine.validate.plan import Planned
@@ -212,24 +213,25 @@ def test_prompt_logprobs_under_load_are_the_alone_ones_within_twice_the_bound(al
     assert (got is None) if problem is None else (got is not None and problem in got), got
 
 
-def test_the_serial_baseline_fails_prompt_logprobs_that_moved_under_load():
-    from dataclasses import replace
+# case "c" (a prompt asking for two tokens) sent as a completion: what the serial baseline's tests judge
+# answers to (its golden answer is not what they judge)
+PLANNED = Planned("r0", GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2,
+                                   token_ids=[7, 8], text="xy", finish_reason="length", margins=[1.0, 1.0],
+                                   top_logprobs=[], text_offsets=None), "completions", 0.0, False, None)
 
-    from refengine.check.golden import GoldenCase
-    from refengine.validate.baseline import SerialBaseline
-    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="xy",
-                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
+
+def test_the_serial_baseline_fails_prompt_logprobs_that_moved_under_load():
     alone = Completion("xy", [7, 8], [1, 2], "length", False, "token_ids", prompt_logprobs=[None, {2: -1.0}])
     baseline = SerialBaseline({("c", "completions"): alone}, 0.0)
-    planned = Planned("r0", case, "completions", 0.0, False, None)
-    assert baseline.judge(planned, alone)["verdict"] == "match"
-    record = baseline.judge(planned, replace(alone, prompt_logprobs=[None, {2: -1.5}]))
+    assert baseline.judge(PLANNED, alone)["verdict"] == "match"
+    record = baseline.judge(PLANNED, replace(alone, prompt_logprobs=[None, {2: -1.5}]))
     assert (record["verdict"], record["compared_by"]) == ("diverged", "prompt_logprobs") and "token 2" in record["note"]
 
 
 def answer(ids, margins=(5.0, 5.0), finish="length") -> Completion:
     return Completion("".join(chr(97 + i) for i in ids), ids, [1, 2], finish, False, "token_ids",
                       logprobs=[TokenLogprob(-0.1, (-0.1, -0.1 - m)) for m in margins])
+
 
 
 @pytest.mark.parametrize("others, verdict, choice", [
@@ -241,31 +243,17 @@ def answer(ids, margins=(5.0, 5.0), finish="length") -> Completion:
     ((answer([7, 9], finish="stop"),), "error", 1),                # its finish reason moved
 ])
 def test_every_choice_of_n_is_judged_against_the_alone_answers_choice_at_its_index(others, verdict, choice):
-    from dataclasses import replace
-
-    from refengine.check.golden import GoldenCase
-    from refengine.validate.baseline import SerialBaseline
-    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="hi",
-                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
     alone = replace(answer([7, 8]), others=(answer([7, 9]),))
     first = answer([7, 3]) if (verdict, choice) == ("diverged", None) else answer([7, 8])
-    record = SerialBaseline({("c", "completions"): alone}, 0.01).judge(
-        Planned("r0", case, "completions", 0.0, False, None), replace(first, others=others))
+    record = SerialBaseline({("c", "completions"): alone}, 0.01).judge(PLANNED, replace(first, others=others))
     assert (record["verdict"], record.get("choice")) == (verdict, choice), record
 
 
 def test_an_explained_choice_after_the_first_is_the_verdict_and_a_diverged_one_wins_over_it():
-    from dataclasses import replace
-
-    from refengine.check.golden import GoldenCase
-    from refengine.validate.baseline import SerialBaseline
-    case = GoldenCase(id="c", prompt="hi", messages=None, prompt_ids=[1, 2], max_tokens=2, token_ids=[7, 8], text="hi",
-                      finish_reason="length", margins=[1.0, 1.0], top_logprobs=[], text_offsets=None)
     near = answer([7, 9], margins=(5.0, 0.001))  # a near-tie at step 1: a flip there is explained
     alone = replace(answer([7, 8]), others=(near, near))
-    baseline, planned = SerialBaseline({("c", "completions"): alone}, 0.01), Planned("r0", case, "completions", 0.0,
-                                                                                    False, None)
-    explained = baseline.judge(planned, replace(answer([7, 8]), others=(near, answer([7, 3]))))
+    baseline = SerialBaseline({("c", "completions"): alone}, 0.01)
+    explained = baseline.judge(PLANNED, replace(answer([7, 8]), others=(near, answer([7, 3]))))
     assert (explained["verdict"], explained["choice"], explained["step"]) == ("explained", 2, 1)
-    diverged = baseline.judge(planned, replace(answer([7, 8]), others=(answer([7, 3]), answer([2, 9]))))
+    diverged = baseline.judge(PLANNED, replace(answer([7, 8]), others=(answer([7, 3]), answer([2, 9]))))
     assert (diverged["verdict"], diverged["choice"], diverged["step"]) == ("diverged", 2, 0)

@@ -102,6 +102,11 @@ class Server:
     processed: Golden | None = None  # the golden cases and the variants it answered alone (with_processed)
 
     @property
+    def pool(self) -> Golden:
+        """The cases its schedules draw: the golden cases, and their variants once with_processed fetched them."""
+        return self.golden if self.processed is None else self.processed
+
+    @property
     def tolerance(self) -> float:
         return self.bounds.precision_tolerance
 
@@ -144,25 +149,23 @@ def with_processed(server: Server) -> Server:
                    processed=replace(server.golden, cases=server.golden.cases + answered))
 
 
-def http_property(check, server: Server, twins: bool = False, processed: bool = False, **overrides):
-    """`check(server, schedule)` as a Hypothesis property over HTTP schedules of the golden cases (with
-    `processed`, of them and their variants: with_processed)."""
+def http_property(check, server: Server, twins: bool = False, **overrides):
+    """`check(server, schedule)` as a Hypothesis property over HTTP schedules of the server's cases (pool)."""
     def run(schedule):
         check(server, schedule)
     run.__name__ = run.__qualname__ = check.__name__  # names the falsifying example and its database entry
     overrides.setdefault("deadline", None)  # how fast the server answers is not the property
-    schedules = http_schedules(server.processed if processed else server.golden, twins=twins,
+    schedules = http_schedules(server.pool, twins=twins,
                                id_prompts=server.id_prompts)
     return settings(**overrides)(given(schedule=schedules)(run))
 
 
 def send(server: Server, schedule, baseline=None, start: float | None = None,
-         dialect: Dialect | None = None, processed: bool = False) -> list[dict]:
+         dialect: Dialect | None = None) -> list[dict]:
     """Every request of the schedule at its arrival time (from `start`, default now), all in flight
     together; validate's records, judged by `baseline` (default: the golden file). `dialect` (default a
-    fresh one) holds the cache_salt: a fresh one is a cold cache. `processed`: a schedule of the golden
-    cases and their variants (server.processed)."""
-    planned = planned_requests(schedule, server.processed if processed else server.golden, server.arrival_step_s)
+    fresh one) holds the cache_salt: a fresh one is a cold cache."""
+    planned = planned_requests(schedule, server.pool, server.arrival_step_s)
     baseline = baseline or GoldenBaseline(server.golden, server.tolerance)
     return replay(server.endpoint, planned, server.served_name, baseline, len(planned), dialect, start)
 
@@ -171,11 +174,10 @@ def answers_equal_alone(server: Server, schedule) -> None:
     """Validate's serial baseline as a property: every completed answer is the server's own alone
     answer to that case and API, except at the server's own top-2 margin (or --model's) within the batching tolerance
     (a fast-mode server's batched rounding may flip a near-tie; a batch-invariant one never differs). With
-    server.processed, the schedules mix in the variants: a server that keeps a request's penalty counts,
+    with_processed, the schedules mix in the variants: a server that keeps a request's penalty counts,
     bias, min_tokens, prompt positions or forked answers in batch state it mixes up answers them
     differently beside other requests."""
-    records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins),
-                   processed=server.processed is not None)
+    records = send(server, schedule, SerialBaseline(server.alone, server.batching, margins=server.margins))
     failed = [r for r in records if r["verdict"] in ("diverged", "error")]
     if failed:
         fail(server, "http-answers-equal-alone", "answers that differ from the server's own alone answers; "
@@ -399,7 +401,7 @@ def test_completed_answers_match_golden(server):
 
 def test_answers_equal_the_servers_own_alone_answers(server):
     """...the golden cases and their variants, mixed in one schedule."""
-    http_property(answers_equal_alone, with_processed(server), processed=True)()
+    http_property(answers_equal_alone, with_processed(server))()
 
 
 def test_the_server_applies_the_logits_processors_it_accepts(server):

@@ -42,7 +42,7 @@ N = 2  # answers the probe asks for
 REPORTS = {"prompt_logprobs": (("completions", "chat"), 1), "echo": (("completions",), True),  # parameter ->
            "n": (("completions", "chat"), N)}                                                # (APIs probed, value)
 PROBE_TIMEOUT_S = 60.0  # one short greedy answer each: a server that takes longer (a faulty engine that never
-# ends a request) is an `error` for that parameter, not a run held for --timeout
+# ends a request) has `failed` that parameter, not held the run for --timeout
 FINDINGS = ("ignored", "wrong", "failed")
 PENALTY = 2.0  # the largest OpenAI allows
 

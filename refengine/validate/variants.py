@@ -20,7 +20,8 @@ VARIANT_MAX_TOKENS = 32
 class ProcessedCase:
     """A case sent with extra fields (logits processors, prompt logprobs, n): no golden answer has them, so
     it is judged only against the same server's answer to it alone (the serial baseline). Everything but its
-    id is its base case's; its id is `<base id>+<variant>` (validate.repro resolves it back: variants())."""
+    id and max_tokens is its base case's; its id is `<base id>+<variant>` (validate.repro resolves it back:
+    variants())."""
     base: object  # check.golden.GoldenCase or PromptCase
     variant: str
     fields_json: str  # the request fields it adds, as JSON (hashable)
