@@ -220,6 +220,41 @@ def test_suite_counts_every_engine_property_on_the_default_model(report):
     assert total["schedules_per_s"] == pytest.approx(total["examples"] / total["seconds"])
 
 
+def test_faults_hunts_each_fault_with_its_property_and_times_the_finds(capsys):
+    """seed-leak is found within 3-6 of the dev profile's 25 examples in 20 of 20 random runs (measured):
+    both runs find it and shrink it to at most 3 requests."""
+    from refengine.bench.faults import print_faults
+
+    assert main(["bench", "--scenario", "faults", "--runs", "2", "--faults", "seed-leak", "--json"]) == 0
+    faults = json.loads(capsys.readouterr().out)["faults"]
+    assert (faults["runs"], faults["examples"], faults["seed"]) == (2, 25, 0)
+    [row] = faults["faults"]
+    assert (row["fault"], row["property"], row["runs"], row["found"], row["shrunk"]) == \
+        ("seed-leak", "invariant-mode-is-exact", 2, 2, 2)
+    assert 0 < row["median_first_s"] <= row["worst_first_s"] and 0 < row["median_shrunk_s"]
+    assert row["median_first_requests"] >= 2  # a seed leaks only between two requests
+    assert faults["not_measured"]["slot-leak"] == "http-server-drains"
+    print_faults(faults)
+    table = capsys.readouterr().out
+    assert "| seed-leak | invariant-mode-is-exact | 2/2 |" in table and "slot-leak (http-server-drains)" in table
+
+
+def test_a_fault_meets_the_goals_only_when_found_often_and_fast():
+    from refengine.bench.faults import Hunt, _row
+
+    def hunts(found: int, first_s: float, worst_s: float) -> list:
+        return [Hunt(True, worst_s if n == 0 else first_s, 2, first_s) for n in range(found)] + \
+            [Hunt(False, None, None, None)] * (20 - found)
+
+    assert _row("f", "p", hunts(19, 9.9, 59.9))["meets_goals"]
+    assert not _row("f", "p", hunts(18, 1.0, 2.0))["meets_goals"]     # found too rarely
+    assert not _row("f", "p", hunts(20, 10.1, 12.0))["meets_goals"]   # median too slow
+    assert not _row("f", "p", hunts(20, 1.0, 60.1))["meets_goals"]    # worst too slow
+    assert not _row("f", "p", hunts(0, 1.0, 1.0))["meets_goals"]
+    row = _row("f", "p", hunts(19, 3.0, 7.0))
+    assert (row["found"], row["median_first_s"], row["worst_first_s"], row["shrunk"]) == (19, 3.0, 7.0, 19)
+
+
 def test_plot_is_a_png(report):
     data, plot = report
     assert data["decode"]["plot"] == str(plot)
@@ -279,6 +314,8 @@ def test_a_sampled_bench_reports_its_sampler():
     (["--requests", "0"], "--requests"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--examples", "0"], "--examples"),
+    (["--runs", "0"], "--runs"),
+    (["--scenario", "faults", "--faults", "slot-leak"], "--faults"),
     (["--scenario", "reference", "--prompts", "/nonexistent/prompts.jsonl"], "--prompts"),
     (["--temperature", "0"], "--temperature"),
     (["--temperature", "0.7", "--top-p", "1.5"], "--top-p"),

@@ -120,6 +120,10 @@ def test_every_committed_bench_run_renders_with_its_own_figures(performance):
         if "suite" in report:
             assert table_rows(page, "## Suite throughput") == len(report["suite"]["properties"]) + 1
             assert f"{report['suite']['total']['schedules_per_s']:.1f}" in page
+        if "faults" in report:
+            assert table_rows(page, "## Suite power against the fault catalog") == len(report["faults"]["faults"])
+            for row in report["faults"]["faults"]:
+                assert f"| `{row['fault']}` | `{row['property']}` | {row['found']}/{row['runs']} |" in page
 
 
 def test_a_report_of_one_scenario_renders_only_that_scenario(performance, tmp_path):

@@ -14,113 +14,21 @@ import json
 
 import pytest
 from hypothesis import Phase, find, settings
-from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
+from refengine.check import driver
+from refengine.check.driver import EngineStuck, run_alone, run_engine
+from refengine.check.schedule import parse_schedule
 from refengine.cli import main
 from refengine.cli.common import FAULT_ENV as ENV_VAR
 from refengine.engine import FAULTS
-from refengine.strategies import DEFAULT_MODEL, shared_prefix_schedules, tiny_model_names
-from refengine.suite.harness import (
-    REPRO_DIR_VAR,
-    PropertyFailure,
-    any_mode_schedules,
-    check,
-    forked_schedules,
-    greedy_schedules,
-    invariant_schedules,
-    other_budgets,
-)
-from refengine.suite.test_finish import check_finish, finish_schedules
+from refengine.strategies import DEFAULT_MODEL, tiny_model
+from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure, check
+from refengine.suite.hunts import CAUGHT_BY, HUNTS, MAX_SHRUNK_REQUESTS, STATE_MACHINE_CATCHES, SmallEnough, hunted
+from refengine.suite.test_finish import check_finish
 from refengine.suite.test_state_machine import SchedulerKVMachine
 
 pytestmark = pytest.mark.invariants
-MAX_SHRUNK_REQUESTS = 3
-
-
-class SmallEnough(BaseException):
-    """Carries the first failing example that is already as small as a hunt asserts, out of Hypothesis
-    (a BaseException is not a test failure to it, so it neither shrinks nor replays it). Shrinking from
-    there only makes the example smaller and costs most of a hunt: the shrinker reaching an example this
-    small within the budget is what the hunt shows."""
-
-    def __init__(self, example, failure: PropertyFailure | None = None):
-        super().__init__()
-        self.example, self.failure = example, failure
-
-PROPERTIES = {  # property -> (what Hypothesis draws, one run of the property with a fault switched on)
-    "invariant-mode-is-exact": (
-        st.tuples(tiny_model_names(), invariant_schedules),
-        lambda example, fault: check("invariant-mode-is-exact", *example, fault=fault)),
-    "chunking-consistency": (
-        st.tuples(tiny_model_names(), any_mode_schedules, other_budgets),
-        lambda example, fault: check("chunking-consistency", example[0], example[1], against="budget",
-                                     other_budget=example[2], fault=fault)),
-    "reference-agreement": (
-        st.tuples(tiny_model_names(), greedy_schedules),
-        lambda example, fault: check("reference-agreement", *example, against="reference", fault=fault)),
-    "finish-semantics": (
-        st.tuples(tiny_model_names(), finish_schedules()),
-        lambda example, fault: check_finish("finish-semantics", *example, fault=fault)),
-    "prefix-caching-is-exact": (
-        st.tuples(tiny_model_names(), shared_prefix_schedules("invariant")),
-        lambda example, fault: check("prefix-caching-is-exact", *example, fault=fault)),
-    "n-answers-are-exact": (
-        st.tuples(tiny_model_names(), forked_schedules),
-        lambda example, fault: check("n-answers-are-exact", *example, fault=fault)),
-    "prefix-caching-scores-whole-prompts": (
-        st.tuples(tiny_model_names(), shared_prefix_schedules("invariant", scoring=True)),
-        lambda example, fault: check("prefix-caching-scores-whole-prompts", *example, fault=fault)),
-}
-CAUGHT_BY = {
-    "stale-block-table-after-preemption": "invariant-mode-is-exact",
-    "position-off-by-one-on-join": "invariant-mode-is-exact",
-    "logits-rows-misassigned-after-leave": "invariant-mode-is-exact",
-    "chunked-prefill-past-off-by-one": "chunking-consistency",
-    "no-recompute-on-resume": "invariant-mode-is-exact",
-    "seed-leak": "invariant-mode-is-exact",
-    "kv-write-block-boundary-off-by-one": "reference-agreement",
-    "abort-leaks-blocks": "invariant-mode-is-exact",
-    "abort-after-finish-rewrites-finish": "finish-semantics",
-    "chunk-order-dependent-logits-row": "invariant-mode-is-exact",
-    "decode-context-after-prefill": "invariant-mode-is-exact",
-    "attention-bound-inflating": "reference-agreement",
-    "logprob-normalization": "invariant-mode-is-exact",
-    "top-p-excludes-crossing-token": "sampling-distribution",  # not schedule-shaped: tests/test_sampling_oracle.py
-    "hang-up-without-abort": "http-hang-ups-are-aborts",  # serve layer: caught by tests/test_invariants_http.py
-    "slot-leak": "http-server-drains",  # serve layer: caught by tests/test_invariants_http.py
-    "prefix-hash-not-chained": "prefix-caching-is-exact",
-    "cached-block-not-refcounted": "prefix-caching-is-exact",
-    "evicted-block-still-cached": "prefix-caching-is-exact",
-    "cached-block-left-on-free-list": "prefix-caching-is-exact",
-    "cached-prefix-last-block-dropped": "prefix-caching-is-exact",
-    "cache-salt-ignored": "prefix-caching-is-exact",
-    "cached-block-with-uncomputed-token": "prefix-caching-is-exact",
-    "penalty-counts-by-batch-row": "invariant-mode-is-exact",
-    "logit-bias-wrong-row": "invariant-mode-is-exact",
-    "penalty-counts-lost-on-resume": "invariant-mode-is-exact",
-    "frequency-penalty-counts-prompt": "reference-agreement",
-    "repetition-penalty-ignores-sign": "reference-agreement",
-    "min-tokens-counts-prompt": "reference-agreement",
-    "logits-processors-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
-    "prompt-logprobs-shifted-by-one": "reference-agreement",
-    "prompt-logprobs-chunk-end-dropped": "chunking-consistency",
-    "prompt-logprobs-rescored-on-resume": "invariant-mode-is-exact",
-    "prompt-logprobs-from-cached-blocks": "prefix-caching-scores-whole-prompts",
-    "prompt-logprobs-rows-from-step-start": "invariant-mode-is-exact",
-    "echo-ignored": "http-applies-what-it-accepts",  # serve layer: tests/test_invariants_http.py
-    "n-children-share-seed": "n-answers-are-exact",
-    "forked-partial-block-shared": "n-answers-are-exact",
-    "fork-copy-skipped": "n-answers-are-exact",
-    "forked-blocks-not-refcounted": "n-answers-are-exact",
-    "fork-before-prefill-done": "n-answers-are-exact",
-}
-STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
-                         "evicted-block-still-cached":
-                             "holds other KV than when it was registered|reads KV computed for something else",
-                         "forked-partial-block-shared": "a full block of the prompt siblings forked|holds other KV",
-                         "forked-blocks-not-refcounted": "KV accounting",
-                         "cache-salt-ignored": "reads KV computed for something else"}
 
 
 def dev_profile():
@@ -146,10 +54,10 @@ def test_every_fault_is_hunted_by_a_property():
     assert set(CAUGHT_BY) == set(FAULTS) and len(FAULTS) >= 6
 
 
-@pytest.mark.parametrize("fault", [f for f, prop in CAUGHT_BY.items() if prop in PROPERTIES])
+@pytest.mark.parametrize("fault", hunted())
 def test_dev_profile_finds_and_shrinks(fault, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
-    strategy, run = PROPERTIES[CAUGHT_BY[fault]]
+    strategy, run = HUNTS[CAUGHT_BY[fault]]
 
     def fails(example):
         try:
@@ -198,3 +106,38 @@ def test_a_request_after_an_early_engine_failure_is_skipped_not_an_error(tmp_pat
         check_finish("finish-semantics", model, schedule, fault="abort-leaks-blocks")
     replayed = json.loads((tmp_path / "invariant-mode-is-exact.json").read_text())
     assert [r["id"] for r in replayed["requests"]] == ["a", "b"]
+
+
+def test_a_baseline_that_never_ends_fails_the_property_instead_of_hanging_it(tmp_path, monkeypatch):
+    """last-admission-slot-unused: batched, with two slots, the request runs; alone (one slot) the
+    scheduler admits nothing. The alone run is watched as the batched one is: the property fails at
+    once, naming the run that stalled, where it used to step forever."""
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+    schedule = {"engine": {"mode": "invariant", "max_num_seqs": 2, "max_num_batched_tokens": 64, "block_size": 4,
+                           "num_blocks": 16, "max_model_len": 128},
+                "requests": [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 4, "arrival_step": 0}]}
+    with pytest.raises(PropertyFailure, match="a alone: step 0 scheduled nothing while 1 requests wait and 0 run"):
+        check("invariant-mode-is-exact", DEFAULT_MODEL, schedule, fault="last-admission-slot-unused")
+    with pytest.raises(PropertyFailure, match="a alone: step 0 scheduled nothing"):
+        check("prefill-decode-consistency", DEFAULT_MODEL, schedule, against="prefill",
+              fault="last-admission-slot-unused")
+    check("invariant-mode-is-exact", DEFAULT_MODEL, schedule)  # and without the fault it holds
+    engine, failure = run_engine(tiny_model(DEFAULT_MODEL),
+                                 parse_schedule({**schedule, "engine": {**schedule["engine"],
+                                                                        "fault": "last-admission-slot-unused"}}, "s"),
+                                 serial=True)
+    assert failure == "s: a serial: step 0 scheduled nothing while 1 requests wait and 0 run"
+
+
+def test_a_run_alone_past_its_step_allowance_is_stuck(monkeypatch):
+    """The other way a run stops making progress: steps that never bring it to an end. With no steps
+    allowed per token, the first step of a run alone is already past its allowance."""
+    request = parse_schedule({"engine": {"mode": "fast", "max_num_seqs": 2, "max_num_batched_tokens": 64,
+                                         "block_size": 4, "num_blocks": 16, "max_model_len": 128},
+                              "requests": [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 4, "arrival_step": 0}]},
+                             "s")
+    model = tiny_model(DEFAULT_MODEL)
+    assert run_alone(model, request.engine, request.requests[0]).finish_reason == "length"
+    monkeypatch.setattr(driver, "STEP_ALLOWANCE", 0)
+    with pytest.raises(EngineStuck, match="a alone: no end after 1 steps"):
+        run_alone(model, request.engine, request.requests[0])

@@ -257,7 +257,8 @@ def test_a_penalty_row_bug_fails_the_answers_equal_alone_property(tiny_model, tm
         server.start()
         try:
             # the long one a tenth of a second after the short one, however slow this machine: it joins second
-            connected = replace(with_processed(connect(server.url, golden)), arrival_step_s=0.02)
+            connected = replace(with_processed(connect(server.url, golden), bases=("green-thing", "story")),
+                                arrival_step_s=0.02)
             index = {case.id: n for n, case in enumerate(connected.processed.cases)}
             schedule = [HttpRequest(index["green-thing+penalties"], "green-thing+penalties", "chat", False, 0, None),
                         HttpRequest(index["story+penalties"], "story+penalties", "completions", False, 5, None)]

@@ -8,8 +8,9 @@ log-softmax rules, which the shipped properties hold to check/output_oracle, the
 rules, the processed-row comparison and its noise gain, validate/surface's probe, the prompt-logprob
 comparisons (check/comparison, validate/baseline), the reading of prompt logprobs, of choices and of a
 refusal's field name, the children of an n > 1 request the judge expects, every choice judged, and the
-variants the load sends (validate/plan, board, variants' report), and golden answers decoded with
-their special tokens written (check/golden, validate/baseline; slow: a pytest run per mutant)."""
+variants the load sends (validate/plan, board, variants' report), golden answers decoded with
+their special tokens written (check/golden, validate/baseline), and the progress the driver watches
+alone and serial runs for (check/driver, check/replay; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -37,6 +38,8 @@ WIRE, BOARD, PLAN = (f"refengine/validate/{m}.py" for m in ("wire", "board", "pl
 T_CHOICES = ["tests/test_validate_baselines.py", "-k", "choice"]
 T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "broken_by or 5xx"]
 T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
+DRIVER = "refengine/check/driver.py"
+T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
 
@@ -213,6 +216,15 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      'out[name] = {"verdict": "error", "why": str(e)}', T_SERVER_FAILED),
     (SURFACE, 'return {"verdict": "error", "why": f"{why} (the server answers the plain request after it)"}',
      'return {"verdict": "failed", "why": why}', T_SERVER_FAILED),
+    # the alone and serial runs watched for progress (a baseline that never ends fails, not hangs)
+    (DRIVER, 'if not engine.trace[-1]["scheduled"] and status["running"] + status["waiting"]:',
+     'if not engine.trace[-1]["scheduled"] and status["running"]:', T_STUCK),
+    (DRIVER, "    if engine.num_steps > max_steps:\n", "    if False:\n", T_STUCK),
+    (DRIVER, "max_steps = engine.num_steps + allowance(engine, request)",
+     "max_steps = engine.num_steps + allowance(engine, request) + 1", T_STUCK),
+    ("refengine/check/replay.py", "except EngineStuck as e:", "except ZeroDivisionError as e:", T_STUCK),
+    ("refengine/check/replay.py", "failure = failure or str(e)", "failure = failure", T_STUCK),
+    (DRIVER, "            return engine, str(e)\n", "            break\n", T_STUCK),
 ]
 
 

@@ -150,6 +150,33 @@ def _suite(suite: dict) -> list[str]:
     return out + _table(["property", "examples", "seconds", "schedules/s"], rows)
 
 
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _faults(faults: dict) -> list[str]:
+    goals = faults["goals"]
+    out = ["## Suite power against the fault catalog", "",
+           f"Each fault a schedule property hunts, {faults['runs']} runs of that property with the fault on, "
+           f"{faults['examples']} random examples each (seeds {faults['seed']}.."
+           f"{faults['seed'] + faults['runs'] - 1}, no example database; targeting and shrinking on). Seconds "
+           f"from the run's start: to the first failing example, and to the first failing example of at most 3 "
+           f"requests (the shrinker's work). Goals: found in at least {goals['found']:.0%} of runs, median at "
+           f"most {goals['median_first_s']:g} s and worst at most {goals['worst_first_s']:g} s to the first "
+           f"failure. {faults['meeting_goals']} of {len(faults['faults'])} meet all three.", ""]
+    rows = [[f"`{r['fault']}`", f"`{r['property']}`", f"{r['found']}/{r['runs']}", _seconds(r["median_first_s"]),
+             _seconds(r["worst_first_s"]),
+             "-" if r["median_first_requests"] is None else f"{r['median_first_requests']:g}",
+             f"{r['shrunk']}/{r['found']}", _seconds(r["median_shrunk_s"]), "met" if r["meets_goals"] else "**missed**"]
+            for r in faults["faults"]]
+    out += _table(["fault", "property", "found", "median s", "worst s", "first failure, requests",
+                   "shrunk to <= 3", "median s to it", "goals"], rows)
+    if faults["not_measured"]:
+        out += ["Not measured here (no schedule property hunts them): " + ", ".join(
+            f"`{fault}` ({prop})" for fault, prop in faults["not_measured"].items()) + ".", ""]
+    return out
+
+
 def _json_report(report: dict) -> list[str]:
     machine = report["machine"]
     out = [f"Model `{Path(report['model']).name}`: {report['parameters']:,} streamed parameters, "
@@ -172,6 +199,8 @@ def _json_report(report: dict) -> list[str]:
         out += _reference(report["reference"])
     if "suite" in report:
         out += _suite(report["suite"])
+    if "faults" in report:
+        out += _faults(report["faults"])
     return out
 
 

@@ -14,6 +14,7 @@ from ..engine import MODES
 from ..errors import RefengineError
 from ..model import Model
 from ..sampling import SamplingParams
+from .faults import print_faults, run_faults
 from .interleaved import against_probe, interleaved_ratio, modes_ratio
 from .kestrel import kestrel_report, run_kestrel
 from .prefix import print_prefix, run_prefix
@@ -22,7 +23,7 @@ from .roofline import Roofline, measure_machine
 from .suite import print_suite, run_suite
 from .workloads import batch_sweep, random_requests
 
-SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite")
+SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite", "faults")
 DEFAULT_MAX_TOKENS = 128
 # The performance issue's goals, each a ratio measured in this run: a step's share of its roofline
 # (the median over steps of roofline step / step, each at the machine figure measured right after
@@ -46,7 +47,9 @@ class BenchSettings:
     hf: bool = False
     plot: str | None = None        # a PNG of step time and tok/s vs batch size
     prompts: str | None = None     # the reference scenario's prompt file (default: the shipped seed set)
-    examples: int | None = None    # the suite scenario's examples per property (default: the dev profile's)
+    examples: int | None = None    # the suite and faults scenarios' examples per property (default: the dev profile's)
+    runs: int = 20                 # the faults scenario's runs per fault
+    faults: tuple[str, ...] = ()   # the faults scenario's faults (default: every one a schedule property hunts)
     # The decode scenario's sampler (SamplingParams' temperature, top_k, top_p; each request seeded by
     # its index); None decodes greedily.
     sampler: dict | None = None
@@ -58,7 +61,7 @@ class BenchSettings:
         bad_modes = [m for m in self.modes if m not in MODES]
         if bad_modes or not self.modes:
             raise RefengineError(f"mode: expected {', '.join(MODES)}, got {list(self.modes)}")
-        for name in ("requests", "prompt_len", "max_tokens", "serial_requests", "examples"):
+        for name in ("requests", "prompt_len", "max_tokens", "serial_requests", "examples", "runs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if any(b < 1 for b in self.batch_sizes):
@@ -232,6 +235,7 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     prefix = run_prefix(model, modes) if "prefix" in args.scenarios else None
     reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
     suite = run_suite(args.examples) if "suite" in args.scenarios else None
+    faults = run_faults(args.runs, args.examples, args.faults) if "faults" in args.scenarios else None
     machine = before.best(measure_machine())
     roofline = Roofline.of(model.config, machine)
     report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
@@ -249,6 +253,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
         report["reference"] = reference_report(reference, machine)
     if suite is not None:
         report["suite"] = suite
+    if faults is not None:
+        report["faults"] = faults
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -276,3 +282,5 @@ def print_report(report: dict) -> None:
         print_reference(report["reference"])
     if "suite" in report:
         print_suite(report["suite"])
+    if "faults" in report:
+        print_faults(report["faults"])

@@ -5,7 +5,10 @@ every request-alone baseline through `run_alone`, so they all mean the same thin
 
 The batched driver also watches the engine: it stops at the first engine failure and returns it
 (KV accounting broken after a step, a step that schedules nothing while requests wait, no end after
-STEP_ALLOWANCE steps per token, blocks still in use when everything has finished).
+STEP_ALLOWANCE steps per token, blocks still in use when everything has finished). The alone and serial
+runs are watched for progress the same way, and raise EngineStuck: a scheduler that never admits a
+request alone must fail the property that needs its alone answer within seconds, not hang it
+(tests/test_invariants_faults.py: last-admission-slot-unused).
 """
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ from ..model import Model
 from .schedule import Schedule, ScheduledRequest
 
 STEP_ALLOWANCE = 10  # steps per prompt or generated token before a run counts as stuck (preemption recomputes)
+
+
+class EngineStuck(RefengineError):
+    """A run alone or serial that stopped making progress (`stalled`): the engine's failure."""
 
 
 def settings_text(c: EngineConfig) -> str:
@@ -39,6 +46,35 @@ def _add(engine: LLMEngine, request: ScheduledRequest, source: str) -> None:
         raise RefengineError(f"{source}: {e}") from None
 
 
+def allowance(engine: LLMEngine, request: ScheduledRequest) -> int:
+    """The steps `request` may take once added to `engine` before its run counts as stuck."""
+    prompt = engine.output(engine.request_ids(request.id)[0]).prompt_ids  # (an n > 1 request's first child)
+    return STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens) * request.params.n
+
+
+def stalled(engine: LLMEngine, max_steps: int) -> str | None:
+    """Why the engine's run has stopped making progress after its last step, or None: the step scheduled
+    nothing while requests wait or run, or the run has taken more than `max_steps` steps."""
+    status = engine.status()
+    if not engine.trace[-1]["scheduled"] and status["running"] + status["waiting"]:
+        return (f"step {engine.num_steps - 1} scheduled nothing while {status['waiting']} requests "
+                f"wait and {status['running']} run")
+    if engine.num_steps > max_steps:
+        return f"no end after {engine.num_steps} steps"
+    return None
+
+
+def _run_watched(engine: LLMEngine, request: ScheduledRequest, source: str, what: str) -> None:
+    """Step `engine` until it has nothing left to do, `request` its latest addition; EngineStuck naming
+    `what` where it stops making progress."""
+    max_steps = engine.num_steps + allowance(engine, request)
+    while engine.has_unfinished():
+        engine.step()
+        problem = stalled(engine, max_steps)
+        if problem:
+            raise EngineStuck(f"{source}: {what}: {problem}")
+
+
 def run_batched(model: Model, schedule: Schedule, config: EngineConfig, *, keep_logits: bool = True,
                 on_events=None) -> tuple[LLMEngine, str | None]:
     """The schedule as written on an engine with `config`; `on_events(events)` sees each step's
@@ -51,20 +87,15 @@ def run_batched(model: Model, schedule: Schedule, config: EngineConfig, *, keep_
         while pending and pending[0].arrival_step <= engine.num_steps:
             request = pending.pop(0)
             _add(engine, request, schedule.source)
-            prompt = engine.output(engine.request_ids(request.id)[0]).prompt_ids  # (an n > 1 request's first child)
-            max_steps = max(max_steps, engine.num_steps) + \
-                STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens) * request.params.n
+            max_steps = max(max_steps, engine.num_steps) + allowance(engine, request)
         while aborts and aborts[0][0] <= engine.num_steps:
             engine.abort(aborts.pop(0)[1])
         events = engine.step()
         if on_events:
             on_events(events)
-        status = engine.status()
-        if not engine.trace[-1]["scheduled"] and status["running"] + status["waiting"]:
-            return engine, (f"step {engine.num_steps - 1} scheduled nothing while {status['waiting']} requests "
-                            f"wait and {status['running']} run")
-        if engine.num_steps > max_steps and not pending:
-            return engine, f"no end after {engine.num_steps} steps"
+        problem = stalled(engine, max_steps if not pending else max(max_steps, engine.num_steps))
+        if problem:
+            return engine, problem
         try:
             engine.check_invariants()
         except AssertionError as e:
@@ -79,7 +110,8 @@ def run_alone(model: Model, config: EngineConfig, request: ScheduledRequest, *, 
     an aborted request's batched tokens must be a prefix of this."""
     engine = LLMEngine(model, replace(config, max_num_seqs=1), keep_logits=keep_logits)
     _add(engine, request, source)
-    return engine.run()[request.id]
+    _run_watched(engine, request, source, f"{request.id} alone")
+    return engine.output(request.id)
 
 
 def run_engine(model: Model, schedule: Schedule, mode: str | None = None,
@@ -92,7 +124,10 @@ def run_engine(model: Model, schedule: Schedule, mode: str | None = None,
     engine = LLMEngine(model, replace(config, max_num_seqs=1))
     for request in schedule.requests:
         _add(engine, request, schedule.source)
-        engine.run()
+        try:
+            _run_watched(engine, request, schedule.source, f"{request.id} serial")
+        except EngineStuck as e:
+            return engine, str(e)
     return engine, None
 
 

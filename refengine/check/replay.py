@@ -27,7 +27,7 @@ from .comparison import (
     logprob_difference,
     logprob_tolerance,
 )
-from .driver import configured, run_alone, run_batched, settings_text
+from .driver import EngineStuck, configured, run_alone, run_batched, settings_text
 from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .prefix_cache import cache_problems
 from .schedule import Schedule, ScheduledRequest, children
@@ -153,6 +153,7 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
     names = {"serial": ("batched", "alone"), "reference": ("engine f32", "reference f64"),
              "budget": (f"budget {config.max_num_batched_tokens}", f"budget {other_budget}"),
              "prefill": ("decode", "fresh prefill")}[against]
+    wanted = None
     if against == "budget":
         other_config = replace(config, max_num_batched_tokens=other_budget)
         other, other_failure = run_batched(model, replace(schedule, engine=other_config), other_config)
@@ -160,21 +161,27 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
         wanted = other.outputs()
     verdicts = {}
     for request in [child for r in schedule.requests for child in children(r)]:  # each child of n on its own
-        if against == "prefill":
-            verdicts[request.id] = _prefill_verdict(model, config, request, baselines, exact, tol)
-            continue
-        if against == "reference" and not request.params.greedy:
-            verdicts[request.id] = Verdict(request.id, "skipped", reason="seeded sampling has no float64 baseline")
-            continue
-        if request.id not in outputs:  # the run stopped at the engine failure before it arrived
-            verdicts[request.id] = Verdict(request.id, "skipped", reason="never ran: the engine failed before its arrival")
-            continue
-        want = {"serial": lambda: baselines.alone(model, config, request),
-                "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
-                "budget": lambda: wanted[request.id]}[against]()
-        verdicts[request.id] = compare_request(request.id, outputs[request.id], want, exact=exact,
-                                               margin_tolerance=(tol or 0.0) * processed_noise_gain(request.params),
-                                               noise_tolerance=tol or 0.0,
-                                               num_logprobs=request.logprobs,
-                                               num_prompt_logprobs=request.params.prompt_logprobs, names=names)
+        try:
+            verdicts[request.id] = _verdict(model, config, request, against, outputs, baselines, exact, tol, names,
+                                            wanted)
+        except EngineStuck as e:  # a baseline the engine never finished: its failure, as the batched run's are
+            failure = failure or str(e)
+            verdicts[request.id] = Verdict(request.id, "skipped", reason="its baseline run never ended")
     return ReplayResult(schedule, config, against, verdicts, outputs, engine.trace, tol, failure, names)
+
+
+def _verdict(model, config, request, against, outputs, baselines, exact, tol, names, wanted) -> Verdict:
+    """`request` (one child) judged against its baseline; EngineStuck where that baseline never ends."""
+    if against == "prefill":
+        return _prefill_verdict(model, config, request, baselines, exact, tol)
+    if against == "reference" and not request.params.greedy:
+        return Verdict(request.id, "skipped", reason="seeded sampling has no float64 baseline")
+    if request.id not in outputs:  # the run stopped at the engine failure before it arrived
+        return Verdict(request.id, "skipped", reason="never ran: the engine failed before its arrival")
+    want = {"serial": lambda: baselines.alone(model, config, request),
+            "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
+            "budget": lambda: wanted[request.id]}[against]()
+    return compare_request(request.id, outputs[request.id], want, exact=exact,
+                           margin_tolerance=(tol or 0.0) * processed_noise_gain(request.params),
+                           noise_tolerance=tol or 0.0, num_logprobs=request.logprobs,
+                           num_prompt_logprobs=request.params.prompt_logprobs, names=names)

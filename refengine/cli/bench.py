@@ -1,5 +1,5 @@
 """bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline;
-the cost of a golden refresh; the invariants suite's throughput."""
+the cost of a golden refresh; the invariants suite's throughput, and its power against each fault."""
 from __future__ import annotations
 
 from ..bench.report import (
@@ -33,7 +33,8 @@ def run(args) -> int:
         serial_requests=args.serial_requests, modes=tuple(MODES) if args.mode == "both" else (args.mode,),
         batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
         scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot,
-        prompts=args.prompts, examples=args.examples, sampler=_sampler(args))
+        prompts=args.prompts, examples=args.examples, sampler=_sampler(args), runs=args.runs,
+        faults=tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else ())
     model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
     report = run_bench(model, settings)
     if args.json:
@@ -59,8 +60,11 @@ def register(subparsers) -> None:
     parser.add_argument("--scenario", default="decode", help=f"comma list of {', '.join(SCENARIOS)}")
     parser.add_argument("--prompts", metavar="FILE", help="reference scenario: the prompts JSONL a golden refresh "
                         "would decode (default: the shipped seed set, golden/prompts/seed-experiment.jsonl)")
-    parser.add_argument("--examples", type=int, help="suite scenario: examples per property (default: the dev "
-                        "profile's); the suite always runs on the default tiny model")
+    parser.add_argument("--examples", type=int, help="suite and faults scenarios: examples per property (default: "
+                        "the dev profile's); the suite always runs on the default tiny model")
+    parser.add_argument("--runs", type=int, default=20, help="faults scenario: independent hunts per fault")
+    parser.add_argument("--faults", metavar="LIST", help="faults scenario: comma list of catalogued faults "
+                        "(default: every one a schedule property hunts)")
     parser.add_argument("--temperature", type=float, help="decode scenario: sample at this temperature, request i "
                         "seeded with i (default: greedy)")
     parser.add_argument("--top-k", type=int, help="with --temperature (default 0: off)")

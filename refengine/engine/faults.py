@@ -56,6 +56,7 @@ class Fault(Enum):
     FORK_COPY_SKIPPED = "fork-copy-skipped"
     FORKED_BLOCKS_NOT_REFCOUNTED = "forked-blocks-not-refcounted"
     FORK_BEFORE_PREFILL_DONE = "fork-before-prefill-done"
+    LAST_ADMISSION_SLOT_UNUSED = "last-admission-slot-unused"
 
 
 DESCRIPTIONS = {
@@ -181,6 +182,10 @@ DESCRIPTIONS = {
     Fault.FORK_BEFORE_PREFILL_DONE:
         "a child forks as soon as a sibling has computed anything, not its whole prompt: with the sibling's "
         "prefill chunked, the child takes blocks whose KV is not written yet",
+    Fault.LAST_ADMISSION_SLOT_UNUSED:
+        "the scheduler admits a waiting request only while fewer than max_num_seqs - 1 run: it never fills "
+        "its last slot, and with one slot (a request alone, a server at max_num_seqs 1) it admits nothing and "
+        "the request never ends (a liveness bug: the properties must fail on it within seconds, not hang)",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

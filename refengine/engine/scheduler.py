@@ -60,7 +60,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
-        self.max_num_seqs = config.max_num_seqs
+        # Fault.LAST_ADMISSION_SLOT_UNUSED: one slot fewer than configured is ever filled
+        self.max_num_seqs = config.max_num_seqs - (config.injected is Fault.LAST_ADMISSION_SLOT_UNUSED)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.fault = config.injected

@@ -16,9 +16,10 @@ meet (they must not share a block). Last, half of the schedules get a pool that 
 request and no more, in place of the fitted one: every block a later request needs evicts a cached one.
 
 Prompt logprobs: a request still to score its prompt takes no hit (engine/prompt_logprobs.py), so they
-would keep requests from meeting the cache. The plain schedules ask for none; with `scoring`, every
+would keep requests from meeting the cache. Schedules without `scoring` ask for none; with it, every
 request that takes an earlier one's prefix asks for them, with one alternative (what must then hold:
-each scores its whole prompt, whatever the cache holds).
+each scores its whole prompt, whatever the cache holds); with `scoring` None, each such request asks
+one time in four (SCORES), so hits and scoring sharers meet in one schedule and one property holds both.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from .schedules import blocks_for, schedules
 
 SALTS = ("tenant-a", "tenant-b")
 EDGE = st.booleans()  # a continued answer ends at a block edge, half the time
+# Whether a sharer asks for prompt logprobs (scoring None), one in four: such a sharer takes no hit, and
+# the hits are what the other prefix-caching faults need (not asking: what the shrinker goes to)
+SCORES = st.integers(0, 3).map(lambda n: n == 3)
 
 
 def cuts(shorter: int, block_size: int) -> list[int]:
@@ -56,12 +60,12 @@ def later(request: dict, step: int) -> None:
 
 @functools.cache  # one strategy per mode (prompts.py says why)
 @st.composite
-def shared_prefix_schedules(draw, mode: str = "invariant", scoring: bool = False) -> dict:
+def shared_prefix_schedules(draw, mode: str = "invariant", scoring: bool | None = False) -> dict:
     schedule = draw(schedules(VOCAB_SIZE, mode, prompt_logprobs=False))
     block, reqs = schedule["engine"]["block_size"], schedule["requests"]
     for n in range(len(reqs)):
         source = draw(st.integers(-1, n - 1))
-        if source >= 0 and scoring:
+        if source >= 0 and (draw(SCORES) if scoring is None else scoring):
             reqs[n]["prompt_logprobs"] = 1
         if source >= 0:
             theirs, mine = reqs[source]["prompt_ids"], reqs[n]["prompt_ids"]

@@ -37,8 +37,9 @@ COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort"
 
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
-invariant_schedules = schedules(VOCAB_SIZE, mode="invariant")
-forked_schedules = schedules(VOCAB_SIZE, mode="invariant", forks=True)  # requests asking for n answers
+# Swarm testing: each example switches requests asking for n answers on or off (off first: what the
+# shrinker goes to where a failure does not need them), one property covering plain and forked batches.
+invariant_schedules = st.booleans().flatmap(lambda forks: schedules(VOCAB_SIZE, mode="invariant", forks=forks))
 fast_schedules = schedules(VOCAB_SIZE, mode="fast")
 any_mode_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode))
 greedy_schedules = st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode, allow_seeded=False))

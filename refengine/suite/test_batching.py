@@ -8,15 +8,16 @@ on every agreeing token the logit deviation must stay within the calibrated nois
 Where a request asks for logprobs, every agreeing step's logprob and top-k alternatives must be
 bit-identical (invariant mode) or within twice the noise tolerance (fast mode: a logprob is a logit
 minus the row's logsumexp) of the float64 log-softmax of the alone request's logits row.
-A request asking for n answers is n children, each forking its siblings' prompt KV where one has computed
-it: child k must be bit-identical to the request alone with n 1 and seed + k (check.schedule.children).
+In half the invariant-mode schedules, two requests in three ask for n answers (2 or 3): such a request is
+n children, each forking its siblings' prompt KV where one has computed it, and child k must be
+bit-identical to the request alone with n 1 and seed + k (check.schedule.children).
 """
 import pytest
 from hypothesis import example, given
 
 from ..strategies import tiny_model_names
 from ..strategies.models import DEFAULT_MODEL
-from .harness import check, fast_schedules, forked_schedules, invariant_schedules
+from .harness import check, fast_schedules, invariant_schedules
 
 pytestmark = pytest.mark.invariants
 
@@ -40,11 +41,6 @@ LOGPROBS_BATCHED = {  # two rows in one step, one asking for logprobs: a log-sof
 @example(model=DEFAULT_MODEL, schedule=LOGPROBS_BATCHED)
 def test_invariant_mode_is_exact(model, schedule):
     check("invariant-mode-is-exact", model, schedule)
-
-
-@given(model=tiny_model_names(), schedule=forked_schedules)
-def test_each_of_n_answers_is_the_request_alone_with_its_own_seed(model, schedule):
-    check("n-answers-are-exact", model, schedule)
 
 
 @given(model=tiny_model_names(), schedule=fast_schedules)

@@ -14,8 +14,9 @@ same (the batching tolerance).
 - every completed answer equals the same server's answer to that case and API sent alone (fetched
   once: validate's serial baseline), except at the server's own top-2 margin (or, where it reports
   none, --model's float64 margin) within the batching tolerance; these schedules mix the golden cases
-  with their variants (validate.variants: penalties; a bias against the golden first token with
-  min_tokens; prompt logprobs, compared too; n, every answer compared), which no golden answer has;
+  with the variants of the first VARIANT_BASES (validate.variants: penalties; a bias against the golden
+  first token with min_tokens; prompt logprobs, compared too; n, every answer compared), which no
+  golden answer has;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort (validate.aborts, judged once the server is idle): every streamed request that
   hung up with more than validate.aborts.ABORT_SLACK tokens of its golden answer unsent, and that a
@@ -87,6 +88,9 @@ STATUS_POLL_S = 0.01
 IDLE_S = 0.5  # an engine idle this long (nothing running or waiting, no step) that still holds something: a leak
 FILLER_TOKENS = 512  # the longest prompt evict_everything sends
 MAX_FILLERS = 64     # more than this many to fill the pool (a GPU server's): the eviction leg is left out
+# The cases whose variants join the schedules: each variant is sent alone once first, and what a variant
+# shows (a row of per-request state mixed up beside other rows) does not depend on which case it is of.
+VARIANT_BASES = 3
 
 
 @dataclass(frozen=True)
@@ -136,12 +140,15 @@ def alone_requests(cases, id_prompts: bool) -> list[Planned]:
             if (api == "chat" and case.messages) or (api == "completions" and (id_prompts or not case.messages))]
 
 
-def with_processed(server: Server) -> Server:
-    """The server with the golden cases' processed variants (validate.variants) and their answers alone
-    (fetched here, not by connect: the other properties' servers see exactly the requests they did), its
-    `processed` pool the golden cases and then the variants. A variant the server refuses (HF
-    transformers serve: 422 on repetition_penalty) is left out."""
-    planned = alone_requests([v for case in server.golden.cases for v in variants(case)], server.id_prompts)
+def with_processed(server: Server, bases: tuple[str, ...] | None = None) -> Server:
+    """The server with the processed variants (validate.variants) of the golden cases `bases` (ids;
+    default the golden file's first VARIANT_BASES) and their answers alone (fetched here, not by connect:
+    the other properties' servers see exactly the requests they did), its `processed` pool the golden
+    cases and then the variants. A variant the server refuses (HF transformers serve: 422 on
+    repetition_penalty) is left out."""
+    chosen = server.golden.cases[:VARIANT_BASES] if bases is None else \
+        [case for case in server.golden.cases if case.id in bases]
+    planned = alone_requests([v for case in chosen for v in variants(case)], server.id_prompts)
     kept, _ = send_alone(server.endpoint, planned, server.served_name, dialect=None)
     refused = {p.case.id for p in planned if (p.case.id, p.api) not in kept.answers}
     answered = list({p.case.id: p.case for p in planned if p.case.id not in refused}.values())
