@@ -151,7 +151,7 @@ def _suite(suite: dict) -> list[str]:
 
 
 def _seconds(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _faults(faults: dict) -> list[str]:

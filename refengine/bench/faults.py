@@ -3,8 +3,9 @@ fault — the suite's power, which decides whether a bug in somebody's engine fa
 through it on an unlucky draw.
 
 For every fault a schedule property hunts (suite.hunts), `runs` independent runs of that property as a
-developer's run of the dev profile runs it (its example budget, random draws, no example database,
-targeting and shrinking on) with the fault switched on. Each run records whether it found the fault, the
+developer's run of the dev profile runs it (its corners first, as the suite's test runs its @examples,
+then its example budget of random draws, no example database, targeting and shrinking on) with the fault
+switched on. Each run records whether it found the fault, the
 seconds to the first failing example, the size of that example (requests), and the seconds until the
 shrinker reached a failing example of at most MAX_SHRUNK_REQUESTS requests (what the catalog promises; a
 run stops there). Seconds count from the run's start, so they are what the property adds to a suite run
@@ -44,7 +45,7 @@ def hunt_once(fault: str, examples: int, seed: int) -> Hunt:
     from hypothesis.errors import NoSuchExample
 
     from ..suite.harness import PropertyFailure
-    from ..suite.hunts import CAUGHT_BY, HUNTS, MAX_SHRUNK_REQUESTS, SmallEnough
+    from ..suite.hunts import CAUGHT_BY, HUNTS, MAX_SHRUNK_REQUESTS, SmallEnough, corner_examples
 
     strategy, run = HUNTS[CAUGHT_BY[fault]]
     first: list[tuple[float, int]] = []
@@ -62,6 +63,11 @@ def hunt_once(fault: str, examples: int, seed: int) -> Hunt:
             return True
         return False
 
+    try:
+        for corner in corner_examples(CAUGHT_BY[fault]):  # the suite's test runs its corners first
+            fails(corner)
+    except SmallEnough:
+        return Hunt(True, *first[0], time.perf_counter() - start)
     budget = settings(max_examples=examples, database=None, deadline=None, print_blob=False,
                       suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p is not Phase.explain])
     try:
@@ -149,7 +155,7 @@ def run_faults(runs: int, examples: int | None, faults: tuple[str, ...] = (), se
 
 
 def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return "-" if value is None else f"{value:.2f}"
 
 
 def print_faults(result: dict) -> None:

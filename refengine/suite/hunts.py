@@ -1,7 +1,7 @@
 """Which property of the shipped suite hunts each catalogued fault, and one example of that property
 with a fault switched on. The fault catalog's negative control (tests/test_invariants_faults.py) and the
-bench's fault-power scenario (refengine.bench.faults) both read this, so both hunt with exactly the
-strategies the suite's properties draw from.
+bench's fault-power scenario (refengine.bench.faults) both read this, so both hunt as the suite's
+properties do: their corners first (corner_examples), then draws from their strategies.
 
 A fault that only the serve layer shows, or that is not schedule-shaped, names the property that
 catches it elsewhere (CAUGHT_BY) and has no hunt here (HUNTS). The state machine also catches the faults
@@ -12,6 +12,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..strategies import shared_prefix_schedules, tiny_model_names
+from ..strategies.models import DEFAULT_MODEL
+from .corners import corners
 from .harness import PropertyFailure, any_mode_schedules, check, greedy_schedules, invariant_schedules, other_budgets
 from .test_finish import check_finish, finish_schedules
 
@@ -98,6 +100,12 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
                          "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else",
                          "last-admission-slot-unused": "no progress"}
+
+
+def corner_examples(prop: str) -> list[tuple]:
+    """What the hunt of `prop` tries before drawing: its corners (suite.corners), the @examples the suite's
+    test of it runs first."""
+    return [(DEFAULT_MODEL, schedule) for schedule in corners(prop)]
 
 
 def hunted() -> list[str]:

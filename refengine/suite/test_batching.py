@@ -17,6 +17,7 @@ from hypothesis import example, given
 
 from ..strategies import tiny_model_names
 from ..strategies.models import DEFAULT_MODEL
+from .corners import with_corners
 from .harness import check, fast_schedules, invariant_schedules
 
 pytestmark = pytest.mark.invariants
@@ -39,6 +40,7 @@ LOGPROBS_BATCHED = {  # two rows in one step, one asking for logprobs: a log-sof
 @given(model=tiny_model_names(), schedule=invariant_schedules)
 @example(model=DEFAULT_MODEL, schedule=QK_NORM_LAYOUT)
 @example(model=DEFAULT_MODEL, schedule=LOGPROBS_BATCHED)
+@with_corners("invariant-mode-is-exact")
 def test_invariant_mode_is_exact(model, schedule):
     check("invariant-mode-is-exact", model, schedule)
 

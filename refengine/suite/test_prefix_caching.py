@@ -18,12 +18,14 @@ import pytest
 from hypothesis import given
 
 from ..strategies import shared_prefix_schedules, tiny_model_names
+from .corners import with_corners
 from .harness import check
 
 pytestmark = pytest.mark.invariants
 
 
 @given(model=tiny_model_names(), schedule=shared_prefix_schedules("invariant", scoring=None))
+@with_corners("prefix-caching-is-exact")
 def test_a_cache_hit_is_bit_identical_to_the_cold_request(model, schedule):
     check("prefix-caching-is-exact", model, schedule)
 

@@ -1,0 +1,76 @@
+"""Known-hard corners: small schedules every run of a property tries first (as Hypothesis `@example`s),
+so that what random draws reach only now and then is checked on every run. Each is a situation, not a
+bug: a request carrying per-request state preempted and resumed, a prompt scored while another request
+runs, n answers forked beside other requests and from a chunked prefill, an abort a step after arrival,
+a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn.
+Random runs of 25 examples found the catalogued faults that live in them in 13-18 of 20 runs (refengine
+bench --scenario faults, docs/performance/); the fault hunts (suite.hunts) try them first too.
+"""
+from __future__ import annotations
+
+from hypothesis import example
+
+from ..strategies.models import DEFAULT_MODEL
+
+
+def _engine(**settings) -> dict:
+    return {"mode": "invariant", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128, **settings}
+
+
+SAMPLED = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
+
+CORNERS = {  # property -> {situation: schedule}
+    "invariant-mode-is-exact": {
+        # two requests fill a pool of 6 one-token blocks while decoding: the later one, with penalties and
+        # prompt logprobs, is preempted and resumes by recomputing
+        "stateful-request-resumed": {"engine": _engine(block_size=1, num_blocks=6), "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+            {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 4, "frequency_penalty": -2.0,
+             "presence_penalty": 2.0, "prompt_logprobs": 0}]},
+        "scoring-request-joins": {"engine": _engine(block_size=1, num_blocks=6), "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+            {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 1, "max_tokens": 4, "prompt_logprobs": 0}]},
+        "answers-forked-beside-another": {"engine": _engine(block_size=3, num_blocks=4), "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+            {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 4, "n": 2,
+             "sampling": {**SAMPLED, "seed": 1}}]},
+        "answers-forked-from-a-chunked-prefill": {
+            "engine": _engine(block_size=2, num_blocks=19, max_num_batched_tokens=32), "requests": [
+                {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+                {"id": "r1", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+                {"id": "r2", "prompt_ids": [0] * 32, "arrival_step": 0, "max_tokens": 4, "n": 2,
+                 "sampling": {**SAMPLED, "seed": 2}}]},
+        "aborted-a-step-after-arrival": {"engine": _engine(block_size=1, num_blocks=9), "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "abort_step": 1, "max_tokens": 8}]},
+    },
+    "prefix-caching-is-exact": {
+        "hit-on-a-running-prompt": {"engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True),
+                                    "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+            {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 1, "max_tokens": 4}]},
+        "scoring-request-on-a-running-prompt": {
+            "engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True), "requests": [
+                {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+                {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 1, "max_tokens": 4, "prompt_logprobs": 1}]},
+        # the first answer ends exactly at a block edge (1 + 5 tokens, blocks of 2)
+        "next-turn-after-a-block-edge": {"engine": _engine(block_size=2, num_blocks=5, enable_prefix_caching=True),
+                                         "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 5},
+            {"id": "r1", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4, "continues": "r0"}]},
+    },
+}
+
+
+def corners(prop: str) -> list[dict]:
+    """The corner schedules of property `prop` (fresh copies: a check may rewrite its schedule)."""
+    import copy
+    return [copy.deepcopy(schedule) for schedule in CORNERS.get(prop, {}).values()]
+
+
+def with_corners(prop: str):
+    """Decorate a property's @given test (parameters `model`, `schedule`) with `prop`'s corners."""
+    def decorate(test):
+        for schedule in reversed(corners(prop)):  # decorators apply bottom-up: tried in the listed order
+            test = example(model=DEFAULT_MODEL, schedule=schedule)(test)
+        return test
+    return decorate
