@@ -9,8 +9,9 @@ rules, the processed-row comparison and its noise gain, validate/surface's probe
 comparisons (check/comparison, validate/baseline), the reading of prompt logprobs, of choices and of a
 refusal's field name, the children of an n > 1 request the judge expects, every choice judged, and the
 variants the load sends (validate/plan, board, variants' report), golden answers decoded with
-their special tokens written (check/golden, validate/baseline), and the progress the driver watches
-alone and serial runs for (check/driver, check/replay; slow: a pytest run per mutant)."""
+their special tokens written (check/golden, validate/baseline), the progress the driver watches
+alone and serial runs for (check/driver, check/replay), and the scheduler's policy read from a run
+(check/policy; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -39,6 +40,7 @@ T_CHOICES = ["tests/test_validate_baselines.py", "-k", "choice"]
 T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "broken_by or 5xx"]
 T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
 DRIVER = "refengine/check/driver.py"
+POLICY, T_POLICY = "refengine/check/policy.py", ["tests/test_policy.py"]
 T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
@@ -225,6 +227,23 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
     ("refengine/check/replay.py", "except EngineStuck as e:", "except ZeroDivisionError as e:", T_STUCK),
     ("refengine/check/replay.py", "failure = failure or str(e)", "failure = failure", T_STUCK),
     (DRIVER, "            return engine, str(e)\n", "            break\n", T_STUCK),
+    # the scheduler's policy, read from the run
+    (POLICY, "if not running or running[-1] != rid:", "if not running:", T_POLICY),
+    (POLICY, "waiting.insert(0, running.pop())", "waiting.append(running.pop())", T_POLICY),
+    (POLICY, "if ran != running[:len(ran)]:", "if False:", T_POLICY),
+    (POLICY, 'in_order = schedule.engine.scheduling_policy == "fcfs"', "in_order = False", T_POLICY),
+    (POLICY, 'in_order = schedule.engine.scheduling_policy == "fcfs"', "in_order = True", T_POLICY),
+    (POLICY, 'if admitted and (entry["preempted"] or len(ran) < len(running)):', 'if admitted and entry["preempted"]:',
+     T_POLICY),
+    (POLICY, 'if admitted and (entry["preempted"] or len(ran) < len(running)):',
+     "if admitted and len(ran) < len(running):", T_POLICY),
+    (POLICY, "        running = [r for r in running if r not in finished[step]]\n", "", T_POLICY),
+    (POLICY, "        running = [r for r in running if r not in gone]\n", "", T_POLICY),
+    (POLICY, "        waiting = [r for r in waiting if r not in gone]\n", "", T_POLICY),
+    (POLICY, "arrivals[request.arrival_step] += [child.id for child in children(request)]",
+     "arrivals[request.arrival_step] += [request.id]", T_POLICY),
+    ("refengine/check/replay.py", "        problems = policy_problems(schedule, outputs, engine.trace)\n",
+     "        problems = []\n", T_POLICY),
 ]
 
 

@@ -8,7 +8,8 @@ float64 reference, is judged by the margin rule with the model's calibrated tole
 request asked for logprobs (its `logprobs` key), every agreeing step's reported logprobs are judged
 too: bit-identical in invariant mode, else within twice the logit tolerance of the baseline row's
 float64 log-softmax (check.comparison.logprob_tolerance). With prefix caching on, the run's hits are
-judged too (check.prefix_cache): a misreported or unsourced hit fails it as an engine failure.
+judged too (check.prefix_cache): a misreported or unsourced hit fails it as an engine failure. So does a
+run whose admissions, preemptions and running order break the scheduler's policy (check.policy).
 A request with n > 1 is judged child by child, each against its baseline as a request of its own
 (check.schedule.children: child k is the request with seed + k).
 """
@@ -29,6 +30,7 @@ from .comparison import (
 )
 from .driver import EngineStuck, configured, run_alone, run_batched, settings_text
 from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
+from .policy import policy_problems
 from .prefix_cache import cache_problems
 from .schedule import Schedule, ScheduledRequest, children
 
@@ -147,6 +149,9 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
     if config.enable_prefix_caching and failure is None:
         problems = cache_problems(schedule, outputs, engine.trace)
         failure = "prefix cache: " + "; ".join(problems) if problems else None
+    if failure is None:
+        problems = policy_problems(schedule, outputs, engine.trace)
+        failure = "scheduling policy: " + "; ".join(problems) if problems else None
     exact = config.mode == "invariant" and against != "reference"
     bound = "f32_vs_f64" if against == "reference" else "f32_batched_vs_serial"
     tol = None if exact else tolerance(calibration, bound)

@@ -57,6 +57,7 @@ class Fault(Enum):
     FORKED_BLOCKS_NOT_REFCOUNTED = "forked-blocks-not-refcounted"
     FORK_BEFORE_PREFILL_DONE = "fork-before-prefill-done"
     LAST_ADMISSION_SLOT_UNUSED = "last-admission-slot-unused"
+    PREEMPTED_REQUEUED_LAST = "preempted-requeued-last"
 
 
 DESCRIPTIONS = {
@@ -186,6 +187,10 @@ DESCRIPTIONS = {
         "the scheduler admits a waiting request only while fewer than max_num_seqs - 1 run: it never fills "
         "its last slot, and with one slot (a request alone, a server at max_num_seqs 1) it admits nothing and "
         "the request never ends (a liveness bug: the properties must fail on it within seconds, not hang)",
+    Fault.PREEMPTED_REQUEUED_LAST:
+        "a preempted request goes to the back of the waiting queue instead of its front: every request that "
+        "arrived after it is admitted first, so under steady load it starves; each answer is still the "
+        "request's answer alone (only the scheduling-policy check sees it)",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

@@ -69,6 +69,9 @@ class Scheduler:
         self.num_steps = 0  # schedule() calls so far: the engine's step number
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
+        # a preempted sequence is readmitted first (Fault.PREEMPTED_REQUEUED_LAST: after every later arrival)
+        self._requeue = self.waiting.append if config.injected is Fault.PREEMPTED_REQUEUED_LAST \
+            else self.waiting.appendleft
         self.running: list[Sequence] = []
         self._hashes = self._unchained_hashes if self.fault is Fault.PREFIX_HASH_NOT_CHAINED else self._chained_hashes
         self._drop_last_hit = self.fault is Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED
@@ -239,7 +242,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
 
     def postprocess(self, output: SchedulerOutput) -> None:
         """The step's forward has written these tokens' KV: full blocks of it become cacheable."""

@@ -1,7 +1,8 @@
 """Known-hard corners: small schedules every run of a property tries first (as Hypothesis `@example`s),
 so that what random draws reach only now and then is checked on every run. Each is a situation, not a
 bug: a request carrying per-request state preempted and resumed, a prompt scored while another request
-runs, n answers forked beside other requests and from a chunked prefill, an abort a step after arrival,
+runs, n answers forked beside other requests and from a chunked prefill, a preempted request and a later
+arrival both waiting, an abort a step after arrival,
 a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn.
 Random runs of 25 examples found the catalogued faults that live in them in 13-18 of 20 runs (refengine
 bench --scenario faults, docs/performance/); the fault hunts (suite.hunts) try them first too.
@@ -40,6 +41,10 @@ CORNERS = {  # property -> {situation: schedule}
                 {"id": "r1", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
                 {"id": "r2", "prompt_ids": [0] * 32, "arrival_step": 0, "max_tokens": 4, "n": 2,
                  "sampling": {**SAMPLED, "seed": 2}}]},
+        # three plain requests on a pool of 5 one-token blocks: the second is preempted while the third waits,
+        # and must be readmitted before it (check.policy)
+        "preempted-ahead-of-a-waiting-request": {"engine": _engine(block_size=1, num_blocks=5), "requests": [
+            {"id": f"r{n}", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4} for n in range(3)]},
         "aborted-a-step-after-arrival": {"engine": _engine(block_size=1, num_blocks=9), "requests": [
             {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "abort_step": 1, "max_tokens": 8}]},
     },

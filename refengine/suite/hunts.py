@@ -92,6 +92,7 @@ CAUGHT_BY = {
     "forked-blocks-not-refcounted": "invariant-mode-is-exact",
     "fork-before-prefill-done": "invariant-mode-is-exact",
     "last-admission-slot-unused": "invariant-mode-is-exact",
+    "preempted-requeued-last": "invariant-mode-is-exact",
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached":
