@@ -4,8 +4,8 @@ bug: a request carrying per-request state preempted and resumed, a prompt scored
 runs, n answers forked beside other requests and from a chunked prefill, a preempted request and a later
 arrival both waiting, an abort a step after arrival,
 a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn.
-Random runs of 25 examples found the catalogued faults that live in them in 13-18 of 20 runs (refengine
-bench --scenario faults, docs/performance/); the fault hunts (suite.hunts) try them first too.
+Random runs of the dev profile's budget reach them only now and then (refengine bench --scenario faults;
+the performance pages have the figures); the fault hunts (suite.hunts) try them first too.
 """
 from __future__ import annotations
 
