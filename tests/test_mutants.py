@@ -10,8 +10,8 @@ comparisons (check/comparison, validate/baseline), the reading of prompt logprob
 refusal's field name, the children of an n > 1 request the judge expects, every choice judged, and the
 variants the load sends (validate/plan, board, variants' report), golden answers decoded with
 their special tokens written (check/golden, validate/baseline), the progress the driver watches
-alone and serial runs for (check/driver, check/replay), and the scheduler's policy read from a run
-(check/policy; slow: a pytest run per mutant)."""
+alone and serial runs for (check/driver, check/replay), the scheduler's policy read from a run
+(check/policy), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -41,6 +41,7 @@ T_SERVER_FAILED = ["tests/test_dialects.py", "-k", "broken_by or 5xx"]
 T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special or hf"]
 DRIVER = "refengine/check/driver.py"
 POLICY, T_POLICY = "refengine/check/policy.py", ["tests/test_policy.py"]
+RAY, T_RAY = "refengine/check/golden_ray.py", ["tests/test_golden_ray.py"]
 T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
@@ -244,6 +245,11 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "arrivals[request.arrival_step] += [request.id]", T_POLICY),
     ("refengine/check/replay.py", "        problems = policy_problems(schedule, outputs, engine.trace)\n",
      "        problems = []\n", T_POLICY),
+    # the golden refresh on Ray (skipped, and so not killed, where the ray extra is missing)
+    (RAY, "    if here != numerics:\n", "    if False:\n", T_RAY),
+    (RAY, "cases = [case for n in range(len(groups)) for case in answers[n]]",
+     "cases = [case for n in reversed(range(len(groups))) for case in answers[n]]", T_RAY),
+    (RAY, "started = not ray.is_initialized()", "started = True", T_RAY),
 ]
 
 

@@ -17,13 +17,19 @@ from .common import FAULT_ENV, add_model_argument, fault_from, open_model
 
 
 def run_refresh(args) -> int:
+    if args.ray is not None and args.shard:
+        raise RefengineError("--ray: the cluster runs every lockstep group; give --shard to a refresh without it")
     model = open_model(args)
     prompts = load_prompts(args.prompts)
     if args.calibration:
         noise = load_calibration(args.calibration)
     else:
         noise = stored_calibration(model) or calibrate(model)
-    golden = refresh(model, args.prompts, prompts, args.out, noise, parse_shard(args.shard), args.lockstep_group)
+    if args.ray is not None:
+        from ..check.golden_ray import refresh_on_ray
+        golden = refresh_on_ray(model, args.prompts, prompts, args.out, noise, args.lockstep_group, args.ray)
+    else:
+        golden = refresh(model, args.prompts, prompts, args.out, noise, parse_shard(args.shard), args.lockstep_group)
     tokens = sum(len(c.token_ids) for c in golden.cases)
     print(f"wrote {args.out}: {len(golden.cases)} cases, {tokens} tokens, model {golden.fingerprint}, "
           f"tolerance {golden.tolerance:.6g}" + (f", shard {args.shard}" if args.shard else ""))
@@ -70,6 +76,10 @@ def register(subparsers) -> None:
     p.add_argument("--lockstep-group", type=int, default=LOCKSTEP_GROUP, metavar="N",
                    help=f"prompts decoded together per pass over the weights (default {LOCKSTEP_GROUP}; recorded in "
                         "the header: shards and whole refreshes of one size give the same bytes)")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run each lockstep group as a task on a Ray cluster: ADDRESS (auto: this node's running "
+                        "cluster), else $RAY_ADDRESS or a new local cluster; writes the same bytes as a refresh "
+                        "here (the ray extra)")
     p.set_defaults(func=run_refresh)
 
     p = commands.add_parser("merge", help="join the shard files of a sharded refresh into one golden file")
