@@ -100,7 +100,8 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
                          "forked-partial-block-shared": "a full block of the prompt siblings forked|holds other KV",
                          "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else",
-                         "last-admission-slot-unused": "no progress"}
+                         "last-admission-slot-unused": "no progress",
+                         "preempted-requeued-last": "scheduling policy"}
 
 
 def corner_examples(prop: str) -> list[tuple]:

@@ -18,7 +18,8 @@ each running sequence holds
 exactly the blocks its computed tokens need (LLMEngine.check_invariants: and only running sequences
 hold penalty rows); a step never exceeds max_num_batched_tokens or
 max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
-follows a decode. At the end every request finishes and every block is free. A failure writes the
+follows a decode. At the end every request finishes, every block is free, and the run kept the
+scheduler's policy (check.policy: admissions, preemptions, running order). A failure writes the
 rules so far as a schedule (arrival and abort steps) to
 $REFENGINE_REPRO_DIR/scheduler-kv-state-machine.json, which `refengine replay` re-runs.
 """
@@ -33,6 +34,8 @@ from hypothesis.stateful import (
 )
 
 from ..check.driver import STEP_ALLOWANCE
+from ..check.policy import policy_problems
+from ..check.schedule import parse_schedule
 from ..engine import EngineConfig, LLMEngine
 from ..engine.block_manager import block_hashes, salt_root
 from ..sampling import SamplingParams
@@ -228,6 +231,8 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             self.kv_accounting_adds_up()
         self.check(not self.engine.has_unfinished(), f"requests {self.live()} never finished in {budget} steps")
         observe(self.schedule, self.engine.trace)
+        problems = policy_problems(parse_schedule(self.schedule, NAME), self.engine.outputs(), self.engine.trace)
+        self.check(not problems, "scheduling policy: " + "; ".join(problems))
         used = self.engine.block_manager.num_used_blocks
         self.check(used == 0, f"every request finished but {used} KV blocks are still in use")
 
