@@ -60,3 +60,47 @@ def test_default_model_has_realistic_margins(tiny_model):
     stats = measure_margins(tiny_model, num_prompts=32, max_tokens=32)
     assert 0.3 <= stats.median <= 3.0
     assert 0.005 <= stats.fraction_below(0.05) <= 0.10
+
+
+def test_a_file_written_a_tensor_at_a_time_in_any_order_has_save_files_bytes(tmp_path):
+    """make-tiny writes a model a tensor at a time (a Qwen3-8B shape does not fit in memory whole), with
+    the bytes save_file gives the whole dict, which the library reads back."""
+    from safetensors.numpy import load_file
+
+    from refengine.model.safetensors_io import save_file, streamed_file
+
+    rng = np.random.default_rng(0)
+    tensors = {"b.weight": rng.standard_normal((3, 5)).astype(np.float32), "a.bias": np.ones(7, np.float32),
+               "c.weight": rng.standard_normal((2, 2, 4)).astype(np.float32)}
+    for dtype in ("F32", "BF16"):
+        save_file(tensors, tmp_path / "whole.safetensors", dtype)
+        with streamed_file(tmp_path / "streamed.safetensors", {n: t.shape for n, t in tensors.items()}, dtype) as put:
+            for name in ["c.weight", "a.bias", "b.weight"]:
+                put(name, tensors[name])
+        assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    back = load_file(tmp_path / "streamed.safetensors")
+    rounded = bf16_bits_to_f32(f32_to_bf16_bits(tensors["c.weight"]))
+    np.testing.assert_array_equal(np.asarray(back["c.weight"]).astype(np.float32), rounded)
+
+
+def test_a_streamed_file_refuses_a_wrong_shape_and_a_tensor_never_written(tmp_path):
+    from refengine.errors import RefengineError
+    from refengine.model.safetensors_io import streamed_file
+
+    with pytest.raises(RefengineError, match="'x' has shape \\[2\\], the layout \\[3\\]"):
+        with streamed_file(tmp_path / "a.safetensors", {"x": (3,)}) as put:
+            put("x", np.zeros(2, np.float32))
+    with pytest.raises(RefengineError, match="tensors \\['y'\\] never written"):
+        with streamed_file(tmp_path / "b.safetensors", {"x": (3,), "y": (1,)}) as put:
+            put("x", np.zeros(3, np.float32))
+
+
+def test_a_large_tensor_drawn_in_blocks_of_rows_is_the_same_tensor(tmp_path, monkeypatch):
+    """Each tensor draws ROWS_PER_DRAW rows at a time from the model's one generator: the same stream, so
+    the same weights whatever the block size (the presets' and the shipped golden files' bytes)."""
+    from refengine.model import tiny
+
+    spec = TinySpec(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, intermediate=64, vocab=300, tie=False)
+    whole = folder_digests(make_tiny(tmp_path / "whole", spec, dtype="BF16", shards=2))
+    monkeypatch.setattr(tiny, "ROWS_PER_DRAW", 7)
+    assert folder_digests(make_tiny(tmp_path / "blocks", spec, dtype="BF16", shards=2)) == whole

@@ -222,28 +222,58 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def _encoded(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "BF16":
+        array = f32_to_bf16_bits(np.asarray(array).astype(np.float32))
+    return np.ascontiguousarray(array, dtype=_WRITE_DTYPES[dtype]).tobytes()
+
+
+def _layout(shapes: dict[str, tuple[int, ...]], dtype: str, metadata: dict[str, str] | None) -> tuple[bytes, dict]:
+    """The file's bytes before its data (length, header, padding) and each tensor's data offset within the
+    data section: names sorted, each tensor's data right after the one before."""
+    if dtype not in _WRITE_DTYPES:
+        raise RefengineError(f"cannot write dtype {dtype!r} (choose F32, F16 or BF16)")
+    itemsize = np.dtype(_WRITE_DTYPES[dtype]).itemsize
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offsets, offset = {}, 0
+    for name in sorted(shapes):
+        size = math.prod(shapes[name]) * itemsize
+        header[name] = {"dtype": dtype, "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
+        offsets[name] = offset
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, dtype: str = "F32",
               metadata: dict[str, str] | None = None) -> None:
     """Write float tensors as `dtype` (F32, F16 or BF16); same input => same bytes.
 
     Kept (instead of safetensors.numpy.save_file) only because `refengine make-tiny` must give
     byte-identical files for its fingerprints."""
-    if dtype not in _WRITE_DTYPES:
-        raise RefengineError(f"cannot write dtype {dtype!r} (choose F32, F16 or BF16)")
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        array = np.asarray(tensors[name])
-        if dtype == "BF16":
-            array = f32_to_bf16_bits(array.astype(np.float32))
-        data = np.ascontiguousarray(array, dtype=_WRITE_DTYPES[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+    with streamed_file(path, {name: np.shape(t) for name, t in tensors.items()}, dtype, metadata) as put:
+        for name in sorted(tensors):
+            put(name, tensors[name])
+
+
+@contextmanager
+def streamed_file(path: str | Path, shapes: dict[str, tuple[int, ...]], dtype: str = "F32",
+                  metadata: dict[str, str] | None = None):
+    """save_file's bytes, written a tensor at a time in any order: yields `put(name, array)`, which writes
+    the array where the layout puts it, so a model larger than memory is written holding one tensor."""
+    prefix, offsets = _layout(shapes, dtype, metadata)
+    written = set()
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for data in blobs:
-            f.write(data)
+        f.write(prefix)
+
+        def put(name: str, array: np.ndarray) -> None:
+            if tuple(np.shape(array)) != tuple(shapes[name]):
+                raise RefengineError(f"{path}: tensor {name!r} has shape {list(np.shape(array))}, the layout "
+                                     f"{list(shapes[name])}")
+            f.seek(len(prefix) + offsets[name])
+            f.write(_encoded(array, dtype))
+            written.add(name)
+        yield put
+    if written != set(shapes):
+        raise RefengineError(f"{path}: tensors {sorted(set(shapes) - written)} never written")

@@ -7,15 +7,18 @@ so tests meet both (docs/concepts/tiny-models.md shows the distribution `refengi
 from __future__ import annotations
 
 import json
+import math
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..data import shipped
 from ..errors import RefengineError
-from .safetensors_io import save_file
+from .safetensors_io import streamed_file
 from .weights import INDEX_FILE, SINGLE_FILE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -74,6 +77,10 @@ PRESETS = {
     "qwen3-1.7b-shape": TinySpec(arch="qwen3", layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128,
                                  intermediate=6144, vocab=151936, tie=True, max_position_embeddings=40960,
                                  rope_theta=1000000.0),
+    # the seeds' largest dense model's shape (Qwen3-8B: an untied head), for the cost of a golden refresh
+    "qwen3-8b-shape": TinySpec(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                               intermediate=12288, vocab=151936, tie=False, max_position_embeddings=40960,
+                               rope_theta=1000000.0),
 }
 
 
@@ -119,74 +126,94 @@ def hf_config(spec: TinySpec, special_ids: dict[str, int]) -> dict:
     return config
 
 
-def random_weights(spec: TinySpec, seed: int) -> dict[str, np.ndarray]:
-    """Random tensors in HF names; scales keep the residual stream mixing across layers."""
+# A tensor of a model being written: its name, its shape and how to make it. Made one at a time, in
+# list order, a model larger than memory is written holding one tensor (safetensors_io.streamed_file).
+LazyTensor = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+ROWS_PER_DRAW = 4096  # a large tensor is drawn this many rows at a time (the same stream: the same values)
+
+
+def in_memory(tensors: dict[str, np.ndarray]) -> list[LazyTensor]:
+    return [(name, tuple(np.shape(t)), lambda t=t: t) for name, t in tensors.items()]
+
+
+def random_weights(spec: TinySpec, seed: int) -> list[LazyTensor]:
+    """Random tensors in HF names; scales keep the residual stream mixing across layers. They draw from one
+    generator in list order, which every preset's bytes depend on: make them in that order."""
     rng = np.random.default_rng(seed)
     h, i, d = spec.hidden, spec.intermediate, spec.head_dim
     q, kv = spec.heads * d, spec.kv_heads * d
+    head = "model.embed_tokens.weight" if spec.tie else "lm_head.weight"
 
-    def normal(shape, std):
-        return (rng.standard_normal(shape) * std).astype(np.float32)
+    def normal(name, shape, std):
+        def make():
+            out = np.empty(shape, np.float32)
+            rows = out.reshape(-1, shape[-1])
+            for start in range(0, len(rows), ROWS_PER_DRAW):
+                block = rows[start:start + ROWS_PER_DRAW]
+                block[...] = (rng.standard_normal(block.shape) * std).astype(np.float32)
+            if name == head:
+                out *= np.float32(LOGIT_SCALE / np.sqrt(h))
+            return out
+        return name, tuple(shape), make
 
-    def norm_weight(size):
-        return (1.0 + rng.standard_normal(size) * 0.1).astype(np.float32)
+    def norm_weight(name, size):
+        return name, (size,), lambda: (1.0 + rng.standard_normal(size) * 0.1).astype(np.float32)
 
     def swiglu(prefix, width):
-        return {prefix + "gate_proj.weight": normal((width, h), 1.0 / np.sqrt(h)),
-                prefix + "up_proj.weight": normal((width, h), 1.0 / np.sqrt(h)),
-                prefix + "down_proj.weight": normal((h, width), RESIDUAL_SCALE / np.sqrt(width))}
+        return [normal(prefix + "gate_proj.weight", (width, h), 1.0 / np.sqrt(h)),
+                normal(prefix + "up_proj.weight", (width, h), 1.0 / np.sqrt(h)),
+                normal(prefix + "down_proj.weight", (h, width), RESIDUAL_SCALE / np.sqrt(width))]
 
-    tensors = {"model.embed_tokens.weight": normal((spec.vocab, h), 1.0), "model.norm.weight": norm_weight(h)}
+    tensors = [normal("model.embed_tokens.weight", (spec.vocab, h), 1.0), norm_weight("model.norm.weight", h)]
     for n in range(spec.layers):
         p = f"model.layers.{n}."
-        tensors |= {
-            p + "input_layernorm.weight": norm_weight(h),
-            p + "post_attention_layernorm.weight": norm_weight(h),
-            p + "self_attn.q_proj.weight": normal((q, h), 1.5 / np.sqrt(h)),
-            p + "self_attn.k_proj.weight": normal((kv, h), 1.5 / np.sqrt(h)),
-            p + "self_attn.v_proj.weight": normal((kv, h), 1.0 / np.sqrt(h)),
-            p + "self_attn.o_proj.weight": normal((h, q), RESIDUAL_SCALE / np.sqrt(q)),
-        }
+        tensors += [
+            norm_weight(p + "input_layernorm.weight", h),
+            norm_weight(p + "post_attention_layernorm.weight", h),
+            normal(p + "self_attn.q_proj.weight", (q, h), 1.5 / np.sqrt(h)),
+            normal(p + "self_attn.k_proj.weight", (kv, h), 1.5 / np.sqrt(h)),
+            normal(p + "self_attn.v_proj.weight", (kv, h), 1.0 / np.sqrt(h)),
+            normal(p + "self_attn.o_proj.weight", (h, q), RESIDUAL_SCALE / np.sqrt(q)),
+        ]
         if spec.arch == "qwen3_moe" and n not in spec.mlp_only_layers:
             # router logits of spread ~2, so tokens split between experts with clear preferences
-            tensors[p + "mlp.gate.weight"] = normal((spec.experts, h), 2.0 / np.sqrt(h))
+            tensors.append(normal(p + "mlp.gate.weight", (spec.experts, h), 2.0 / np.sqrt(h)))
             for e in range(spec.experts):
-                tensors |= swiglu(f"{p}mlp.experts.{e}.", spec.moe_intermediate)
+                tensors += swiglu(f"{p}mlp.experts.{e}.", spec.moe_intermediate)
         else:
-            tensors |= swiglu(p + "mlp.", i)
+            tensors += swiglu(p + "mlp.", i)
         if spec.arch in ("qwen3", "qwen3_moe"):
-            tensors[p + "self_attn.q_norm.weight"] = norm_weight(d)
-            tensors[p + "self_attn.k_norm.weight"] = norm_weight(d)
+            tensors += [norm_weight(p + "self_attn.q_norm.weight", d), norm_weight(p + "self_attn.k_norm.weight", d)]
         if spec.arch == "qwen2":
-            tensors[p + "self_attn.q_proj.bias"] = normal((q,), 0.1)
-            tensors[p + "self_attn.k_proj.bias"] = normal((kv,), 0.1)
-            tensors[p + "self_attn.v_proj.bias"] = normal((kv,), 0.1)
+            tensors += [normal(p + "self_attn.q_proj.bias", (q,), 0.1), normal(p + "self_attn.k_proj.bias", (kv,), 0.1),
+                        normal(p + "self_attn.v_proj.bias", (kv,), 0.1)]
     if not spec.tie:
-        tensors["lm_head.weight"] = normal((spec.vocab, h), 1.0)
-    head = "model.embed_tokens.weight" if spec.tie else "lm_head.weight"
-    tensors[head] *= np.float32(LOGIT_SCALE / np.sqrt(h))
+        tensors.append(normal("lm_head.weight", (spec.vocab, h), 1.0))
     return tensors
-
 
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: str, shards: int) -> None:
-    if shards <= 1:
-        save_file(tensors, out / SINGLE_FILE, dtype)
-        return
-    names = sorted(tensors)
-    groups = [names[k::shards] for k in range(shards)]
-    weight_map = {}
-    for k, group in enumerate(groups, start=1):
-        filename = f"model-{k:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in group}, out / filename, dtype)
-        weight_map |= {n: filename for n in group}
-    itemsize = 2 if dtype in ("BF16", "F16") else 4
-    total = sum(t.size for t in tensors.values()) * itemsize
-    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+def write_weights(out: Path, tensors: list[LazyTensor], dtype: str, shards: int) -> None:
+    """The tensors in one file, or in `shards` files (the sorted names dealt round) with an index; each
+    tensor made when its turn comes and written at once."""
+    shapes = {name: shape for name, shape, _ in tensors}
+    names = sorted(shapes)
+    files = [SINGLE_FILE] if shards <= 1 else \
+        [f"model-{k:05d}-of-{shards:05d}.safetensors" for k in range(1, shards + 1)]
+    weight_map = {name: files[n % len(files)] for n, name in enumerate(names)}
+    with ExitStack() as stack:
+        puts = {file: stack.enter_context(streamed_file(out / file, {n: shapes[n] for n in names
+                                                                     if weight_map[n] == file}, dtype))
+                for file in files}
+        for name, _, make in tensors:
+            puts[weight_map[name]](name, make())
+    if shards > 1:
+        itemsize = 2 if dtype in ("BF16", "F16") else 4
+        total = sum(math.prod(shape) for shape in shapes.values()) * itemsize
+        _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def render_chatml(role: str, content: str) -> tuple[str, str]:
@@ -194,7 +221,7 @@ def render_chatml(role: str, content: str) -> tuple[str, str]:
     return f"<|im_start|>{role}\n", f"{content}<|im_end|>\n"
 
 
-def write_folder(out: Path, spec: TinySpec, tokenizer: Tokenizer, tensors: dict[str, np.ndarray], *,
+def write_folder(out: Path, spec: TinySpec, tokenizer: Tokenizer, tensors: list[LazyTensor], *,
                  recipe_name: str, recipe: dict, dtype: str = "F32", shards: int = 1) -> Path:
     """A complete HF folder: config, generation config, tokenizer files with the ChatML template, the
     weights, and `recipe_name` recording how they were made."""

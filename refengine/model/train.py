@@ -36,7 +36,7 @@ from tqdm import tqdm
 from ..data import shipped
 from ..errors import RefengineError
 from ..jsonl import json_lines
-from .tiny import SPECIAL_TOKENS, TRAINED_RECIPE, TinySpec, render_chatml, write_folder
+from .tiny import SPECIAL_TOKENS, TRAINED_RECIPE, TinySpec, in_memory, render_chatml, write_folder
 
 TRAINING_DATA = ("training", "tiny-chat.jsonl")
 
@@ -198,4 +198,4 @@ def train_tiny_chat(out_dir: str | Path, train: TrainSpec = TrainSpec(), data: P
               "final_loss": round(loss, 6), "torch": torch.__version__,
               "transformers": transformers.__version__, "machine": platform.machine(),
               **vars(train), "model": spec.recipe()}
-    return write_folder(Path(out_dir), spec, tokenizer, state, recipe_name=TRAINED_RECIPE, recipe=recipe)
+    return write_folder(Path(out_dir), spec, tokenizer, in_memory(state), recipe_name=TRAINED_RECIPE, recipe=recipe)
