@@ -326,3 +326,19 @@ def test_bad_arguments_exit_2_with_one_line(args, named, capsys):
     assert main(["bench", *args]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1 and named in captured.err
+
+
+def test_a_corner_failing_above_the_shrunk_size_is_a_find_left_unshrunk(monkeypatch, tmp_path):
+    """The suite stops at a failing @example without shrinking it: a hunt does the same (a find, with no
+    time to a small failure), whatever its draws would have found after."""
+    from refengine.bench.faults import hunt_once
+    from refengine.suite import hunts
+    from refengine.suite.corners import CORNERS
+
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
+    corner = CORNERS["invariant-mode-is-exact"]["preempted-ahead-of-a-waiting-request"]
+    four = {**corner, "requests": corner["requests"] + [{"id": "r3", "prompt_ids": [1], "arrival_step": 9,
+                                                         "max_tokens": 1}]}
+    monkeypatch.setattr(hunts, "corner_examples", lambda prop: [(DEFAULT_MODEL, four)])
+    hunt = hunt_once("preempted-requeued-last", 1, 0)
+    assert (hunt.found, hunt.first_requests, hunt.small_s) == (True, 4, None) and hunt.first_s > 0

@@ -68,6 +68,8 @@ def hunt_once(fault: str, examples: int, seed: int) -> Hunt:
             fails(corner)
     except SmallEnough:
         return Hunt(True, *first[0], time.perf_counter() - start)
+    if first:  # a corner larger than MAX_SHRUNK_REQUESTS failed: the suite stops there, unshrunk
+        return Hunt(True, *first[0], None)
     budget = settings(max_examples=examples, database=None, deadline=None, print_blob=False,
                       suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p is not Phase.explain])
     try:
