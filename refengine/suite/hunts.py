@@ -97,7 +97,8 @@ CAUGHT_BY = {
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached":
                              "holds other KV than when it was registered|reads KV computed for something else",
-                         "forked-partial-block-shared": "a full block of the prompt siblings forked|holds other KV",
+                         "forked-partial-block-shared":
+                             "a full block of the prompt siblings forked|holds other KV|reads KV computed for",
                          "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else",
                          "last-admission-slot-unused": "no progress",
