@@ -62,12 +62,16 @@ def test_default_model_has_realistic_margins(tiny_model):
     assert 0.005 <= stats.fraction_below(0.05) <= 0.10
 
 
-def test_a_file_written_a_tensor_at_a_time_in_any_order_has_save_files_bytes(tmp_path):
-    """make-tiny writes a model a tensor at a time (a Qwen3-8B shape does not fit in memory whole), with
-    the bytes save_file gives the whole dict, which the library reads back."""
+def test_a_file_written_a_tensor_at_a_time_in_any_order_has_save_files_bytes(tmp_path, monkeypatch):
+    """make-tiny writes a model a tensor at a time (a Qwen3-8B shape does not fit in memory whole), each
+    encoded a block of elements at a time, with the bytes save_file gives the whole dict: sorted names,
+    each tensor's data the whole tensor's encoding; and the library reads them back."""
     from safetensors.numpy import load_file
 
+    from refengine.model import safetensors_io
     from refengine.model.safetensors_io import save_file, streamed_file
+
+    monkeypatch.setattr(safetensors_io, "ENCODE_BLOCK", 4)  # tensors of 7, 15 and 16 elements span blocks
 
     rng = np.random.default_rng(0)
     tensors = {"b.weight": rng.standard_normal((3, 5)).astype(np.float32), "a.bias": np.ones(7, np.float32),
@@ -77,7 +81,11 @@ def test_a_file_written_a_tensor_at_a_time_in_any_order_has_save_files_bytes(tmp
         with streamed_file(tmp_path / "streamed.safetensors", {n: t.shape for n, t in tensors.items()}, dtype) as put:
             for name in ["c.weight", "a.bias", "b.weight"]:
                 put(name, tensors[name])
-        assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+        data = (tmp_path / "streamed.safetensors").read_bytes()
+        assert data == (tmp_path / "whole.safetensors").read_bytes()
+        encoded = [f32_to_bf16_bits(tensors[n]).tobytes() if dtype == "BF16" else tensors[n].tobytes()
+                   for n in sorted(tensors)]
+        assert data.endswith(b"".join(encoded))
     back = load_file(tmp_path / "streamed.safetensors")
     rounded = bf16_bits_to_f32(f32_to_bf16_bits(tensors["c.weight"]))
     np.testing.assert_array_equal(np.asarray(back["c.weight"]).astype(np.float32), rounded)

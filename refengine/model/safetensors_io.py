@@ -222,6 +222,9 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+ENCODE_BLOCK = 1 << 24  # elements encoded at a time: the bf16 rounding's temporaries are a few times this
+
+
 def _encoded(array: np.ndarray, dtype: str) -> bytes:
     if dtype == "BF16":
         array = f32_to_bf16_bits(np.asarray(array).astype(np.float32))
@@ -268,11 +271,14 @@ def streamed_file(path: str | Path, shapes: dict[str, tuple[int, ...]], dtype: s
         f.write(prefix)
 
         def put(name: str, array: np.ndarray) -> None:
-            if tuple(np.shape(array)) != tuple(shapes[name]):
-                raise RefengineError(f"{path}: tensor {name!r} has shape {list(np.shape(array))}, the layout "
+            array = np.asarray(array)
+            if array.shape != tuple(shapes[name]):
+                raise RefengineError(f"{path}: tensor {name!r} has shape {list(array.shape)}, the layout "
                                      f"{list(shapes[name])}")
             f.seek(len(prefix) + offsets[name])
-            f.write(_encoded(array, dtype))
+            flat = array.reshape(-1)
+            for start in range(0, flat.size, ENCODE_BLOCK):  # elementwise, so the same bytes a block at a time,
+                f.write(_encoded(flat[start:start + ENCODE_BLOCK], dtype))  # and only a block's temporaries
             written.add(name)
         yield put
     if written != set(shapes):
