@@ -13,7 +13,7 @@ properties catch and shrink them, in tests/test_invariants_http.py."""
 import json
 
 import pytest
-from hypothesis import Phase, find, settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from refengine.check import driver
@@ -24,15 +24,7 @@ from refengine.cli.common import FAULT_ENV as ENV_VAR
 from refengine.engine import FAULTS
 from refengine.strategies import DEFAULT_MODEL, tiny_model
 from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure, check
-from refengine.suite.hunts import (
-    CAUGHT_BY,
-    HUNTS,
-    MAX_SHRUNK_REQUESTS,
-    STATE_MACHINE_CATCHES,
-    SmallEnough,
-    corner_examples,
-    hunted,
-)
+from refengine.suite.hunts import CAUGHT_BY, HUNTS, MAX_SHRUNK_REQUESTS, STATE_MACHINE_CATCHES, hunt, hunted
 from refengine.suite.test_finish import check_finish
 from refengine.suite.test_state_machine import SchedulerKVMachine
 
@@ -65,24 +57,10 @@ def test_every_fault_is_hunted_by_a_property():
 @pytest.mark.parametrize("fault", hunted())
 def test_dev_profile_finds_and_shrinks(fault, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
-    strategy, run = HUNTS[CAUGHT_BY[fault]]
-
-    def fails(example):
-        try:
-            run(example, fault)
-        except PropertyFailure:
-            if len(example[1]["requests"]) <= MAX_SHRUNK_REQUESTS:
-                raise SmallEnough(example) from None
-            return True
-        return False
-
-    with pytest.raises(SmallEnough) as found:
-        for corner in corner_examples(CAUGHT_BY[fault]):  # as the suite's test runs its @examples first
-            fails(corner)
-        find(strategy, fails, settings=dev_profile())
-    shrunk = found.value.example
+    shrunk = hunt(fault, dev_profile())
+    assert shrunk is not None, f"{fault}: no failing example of at most {MAX_SHRUNK_REQUESTS} requests"
     with pytest.raises(PropertyFailure) as failure:
-        run(shrunk, fault)
+        HUNTS[CAUGHT_BY[fault]][1](shrunk, fault)
     assert_small_and_replayable(failure.value, fault, monkeypatch, capsys)
 
 

@@ -18,7 +18,6 @@ import time
 from dataclasses import replace
 
 import pytest
-from test_invariants_faults import MAX_SHRUNK_REQUESTS, SmallEnough
 
 from refengine.check.golden import load_prompts, read_golden, refresh
 from refengine.cli import main
@@ -28,6 +27,7 @@ from refengine.errors import RefengineError
 from refengine.serve import OpenAIServer
 from refengine.strategies.http_schedules import HttpRequest
 from refengine.suite.harness import PropertyFailure
+from refengine.suite.hunts import MAX_SHRUNK_REQUESTS, SmallEnough
 from refengine.suite.plugin import HTTP_MAX_WAITING
 from refengine.suite.test_http import (
     answers_equal_alone,
@@ -91,7 +91,7 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
     derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
-    PropertyFailure). Stopping there, not at the shrinker's end: tests/test_invariants_faults.SmallEnough.
+    PropertyFailure). Stopping there, not at the shrinker's end: refengine.suite.hunts.SmallEnough.
     `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
     EngineConfig settings."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,

@@ -41,44 +41,25 @@ class Hunt:
 
 def hunt_once(fault: str, examples: int, seed: int) -> Hunt:
     """One run of the property that hunts `fault`, with the fault on (see module)."""
-    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.errors import NoSuchExample
 
-    from ..suite.harness import PropertyFailure
-    from ..suite.hunts import CAUGHT_BY, HUNTS, MAX_SHRUNK_REQUESTS, SmallEnough, corner_examples
+    from ..suite.hunts import hunt
 
-    strategy, run = HUNTS[CAUGHT_BY[fault]]
     first: list[tuple[float, int]] = []
     start = time.perf_counter()
 
-    def fails(example) -> bool:
-        try:
-            run(example, fault)
-        except PropertyFailure:
-            size = len(example[1]["requests"])
-            if not first:
-                first.append((time.perf_counter() - start, size))
-            if size <= MAX_SHRUNK_REQUESTS:
-                raise SmallEnough(example) from None
-            return True
-        return False
+    def seen(example) -> None:
+        if not first:
+            first.append((time.perf_counter() - start, len(example[1]["requests"])))
 
-    try:
-        for corner in corner_examples(CAUGHT_BY[fault]):  # the suite's test runs its corners first
-            fails(corner)
-    except SmallEnough:
-        return Hunt(True, *first[0], time.perf_counter() - start)
-    if first:  # a corner larger than MAX_SHRUNK_REQUESTS failed: the suite stops there, unshrunk
-        return Hunt(True, *first[0], None)
     budget = settings(max_examples=examples, database=None, deadline=None, print_blob=False,
                       suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p is not Phase.explain])
     try:
-        find(strategy, fails, settings=budget, random=random.Random(seed))
-    except SmallEnough:
-        return Hunt(True, *first[0], time.perf_counter() - start)
+        small = hunt(fault, budget, random.Random(seed), seen)
     except NoSuchExample:
         return Hunt(False, None, None, None)
-    return Hunt(True, *first[0], None)  # shrinking ended above MAX_SHRUNK_REQUESTS
+    return Hunt(True, *first[0], None if small is None else time.perf_counter() - start)
 
 
 def warm_up() -> None:

@@ -12,6 +12,7 @@ request alone must fail the property that needs its alone answer within seconds,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..engine import EngineConfig, LLMEngine, RequestOutput
@@ -52,7 +53,7 @@ def allowance(engine: LLMEngine, request: ScheduledRequest) -> int:
     return STEP_ALLOWANCE * (len(prompt) + request.params.max_tokens) * request.params.n
 
 
-def stalled(engine: LLMEngine, max_steps: int) -> str | None:
+def stalled(engine: LLMEngine, max_steps: float) -> str | None:
     """Why the engine's run has stopped making progress after its last step, or None: the step scheduled
     nothing while requests wait or run, or the run has taken more than `max_steps` steps."""
     status = engine.status()
@@ -93,7 +94,7 @@ def run_batched(model: Model, schedule: Schedule, config: EngineConfig, *, keep_
         events = engine.step()
         if on_events:
             on_events(events)
-        problem = stalled(engine, max_steps if not pending else max(max_steps, engine.num_steps))
+        problem = stalled(engine, math.inf if pending else max_steps)  # arrivals to come: no end yet
         if problem:
             return engine, problem
         try:

@@ -9,6 +9,8 @@ the performance pages have the figures); the fault hunts (suite.hunts) try them 
 """
 from __future__ import annotations
 
+import copy
+
 from hypothesis import example
 
 from ..strategies.models import DEFAULT_MODEL
@@ -68,7 +70,6 @@ CORNERS = {  # property -> {situation: schedule}
 
 def corners(prop: str) -> list[dict]:
     """The corner schedules of property `prop` (fresh copies: a check may rewrite its schedule)."""
-    import copy
     return [copy.deepcopy(schedule) for schedule in CORNERS.get(prop, {}).values()]
 
 

@@ -9,6 +9,10 @@ of STATE_MACHINE_CATCHES by its own invariants (the text its failure matches).
 """
 from __future__ import annotations
 
+from random import Random
+from typing import Callable
+
+from hypothesis import find, settings
 from hypothesis import strategies as st
 
 from ..strategies import shared_prefix_schedules, tiny_model_names
@@ -21,14 +25,15 @@ MAX_SHRUNK_REQUESTS = 3  # what the catalog promises a hunt shrinks a failure to
 
 
 class SmallEnough(BaseException):
-    """Carries the first failing example that is already as small as a hunt asserts, out of Hypothesis
-    (a BaseException is not a test failure to it, so it neither shrinks nor replays it). Shrinking from
-    there only makes the example smaller and costs most of a hunt: the shrinker reaching an example this
-    small within the budget is what the hunt shows."""
+    """Carries the first failing example that is already as small as a hunt asserts (and its failure, where
+    the hunt keeps it), out of Hypothesis (a BaseException is not a test failure to it, so it neither shrinks
+    nor replays it). Shrinking from there only makes the example smaller and costs most of a hunt: the
+    shrinker reaching an example this small within the budget is what the hunt shows."""
 
     def __init__(self, example, failure: PropertyFailure | None = None):
         super().__init__()
         self.example, self.failure = example, failure
+
 
 # property -> (what Hypothesis draws: (model, schedule[, other budget]), one run of it with a fault on)
 HUNTS = {
@@ -109,6 +114,33 @@ def corner_examples(prop: str) -> list[tuple]:
     """What the hunt of `prop` tries before drawing: its corners (suite.corners), the @examples the suite's
     test of it runs first."""
     return [(DEFAULT_MODEL, schedule) for schedule in corners(prop)]
+
+
+def hunt(fault: str, budget: settings, rng: Random | None = None,
+         on_failure: Callable[[tuple], None] = lambda example: None):
+    """One hunt for `fault` as the suite's property runs (its corners first, then `budget`'s draws, `rng`
+    seeding them): the first failing example of at most MAX_SHRUNK_REQUESTS requests; None where examples
+    failed but none that small (a corner's, which the suite does not shrink, or the shrinker's last);
+    hypothesis.errors.NoSuchExample where none failed. `on_failure(example)` sees every failing example."""
+    strategy, run = HUNTS[CAUGHT_BY[fault]]
+
+    def fails(example) -> bool:
+        try:
+            run(example, fault)
+        except PropertyFailure:
+            on_failure(example)
+            if len(example[1]["requests"]) <= MAX_SHRUNK_REQUESTS:
+                raise SmallEnough(example) from None
+            return True
+        return False
+
+    try:
+        if any(fails(corner) for corner in corner_examples(CAUGHT_BY[fault])):  # the suite stops at a failing @example
+            return None
+        find(strategy, fails, settings=budget, random=rng)
+    except SmallEnough as small:
+        return small.example
+    return None
 
 
 def hunted() -> list[str]:
