@@ -14,6 +14,7 @@ into docs/performance/images/.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "performance" / "data"
@@ -177,6 +178,29 @@ def _faults(faults: dict) -> list[str]:
     return out
 
 
+def _llama_cpp(llama: dict, workload: dict) -> list[str]:
+    out = ["## Against llama.cpp", "",
+           f"The same prompt ids ({workload['prompt_len']} tokens, {workload['max_tokens']} new tokens each, greedy, "
+           f"eos ignored, all arriving at once) through refengine and llama.cpp's `llama-server` on an F32 GGUF of the "
+           f"same weights, both on {llama['threads']} threads, taking turns: {llama['rounds']} rounds of every batch "
+           f"size, the order reversed every round. Decode tokens/s by each engine's own clock; each ratio is taken "
+           f"within a round, then the median over rounds.", ""]
+    names = [*llama["modes"], "llama.cpp"]
+    ratio_names = list(next(iter(llama["ratios"].values())))
+    rows = []
+    for batch in llama["batch_sizes"]:
+        of_batch = [r for r in llama["runs"] if r["batch"] == batch]
+        rates = [statistics.median(r[name]["decode_tok_s"] for r in of_batch) for name in names]
+        ratios = llama["ratios"][str(batch)]
+        same = llama["same_answers"][str(batch)]
+        rows.append([batch, *(f"{rate:.1f}" for rate in rates),
+                     *(f"{ratios[name]['median']:.2f} ({', '.join(f'{v:.2f}' for v in ratios[name]['rounds'])})"
+                       for name in ratio_names),
+                     ", ".join(f"{mode} {same[mode]}/{same['requests']}" for mode in llama["modes"])])
+    return out + _table(["batch", *(f"{name} tok/s" for name in names), *ratio_names,
+                         "same greedy answers"], rows)
+
+
 def _json_report(report: dict) -> list[str]:
     machine = report["machine"]
     out = [f"Model `{Path(report['model']).name}`: {report['parameters']:,} streamed parameters, "
@@ -201,6 +225,8 @@ def _json_report(report: dict) -> list[str]:
         out += _suite(report["suite"])
     if "faults" in report:
         out += _faults(report["faults"])
+    if "llama_cpp" in report:
+        out += _llama_cpp(report["llama_cpp"], workload)
     return out
 
 

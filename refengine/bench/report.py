@@ -1,12 +1,14 @@
 """`refengine bench`: what it runs and the report it prints -- decode throughput of the batching
 engine vs serial in both kernel modes against the roofline, the Kestrel scenario, the cost of a
-golden refresh (bench.reference), the invariants suite's throughput (bench.suite), and optionally HF
-transformers on the same workload."""
+golden refresh (bench.reference), the invariants suite's throughput (bench.suite) and its power
+against each fault (bench.faults), llama.cpp's server on the same requests (bench.llama_cpp), and
+optionally HF transformers on the same workload."""
 from __future__ import annotations
 
 import os
 import platform
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -17,13 +19,14 @@ from ..sampling import SamplingParams
 from .faults import print_faults, run_faults
 from .interleaved import against_probe, interleaved_ratio, modes_ratio
 from .kestrel import kestrel_report, run_kestrel
+from .llama_cpp import print_llama_cpp, run_llama_cpp
 from .prefix import print_prefix, run_prefix
 from .reference import print_reference, reference_report, refresh_cases, run_reference
 from .roofline import Roofline, measure_machine
 from .suite import print_suite, run_suite
 from .workloads import batch_sweep, random_requests
 
-SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite", "faults")
+SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite", "faults", "llama-cpp")
 DEFAULT_MAX_TOKENS = 128
 # The performance issue's goals, each a ratio measured in this run: a step's share of its roofline
 # (the median over steps of roofline step / step, each at the machine figure measured right after
@@ -53,6 +56,9 @@ class BenchSettings:
     # The decode scenario's sampler (SamplingParams' temperature, top_k, top_p; each request seeded by
     # its index); None decodes greedily.
     sampler: dict | None = None
+    llama_server: str | None = None  # the llama-cpp scenario's server binary and F32 GGUF of the same model
+    gguf: str | None = None
+    rounds: int = 3                  # the llama-cpp scenario's rounds of every batch size
 
     def __post_init__(self):
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
@@ -61,7 +67,7 @@ class BenchSettings:
         bad_modes = [m for m in self.modes if m not in MODES]
         if bad_modes or not self.modes:
             raise RefengineError(f"mode: expected {', '.join(MODES)}, got {list(self.modes)}")
-        for name in ("requests", "prompt_len", "max_tokens", "serial_requests", "examples", "runs"):
+        for name in ("requests", "prompt_len", "max_tokens", "serial_requests", "examples", "runs", "rounds"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RefengineError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if any(b < 1 for b in self.batch_sizes):
@@ -70,6 +76,14 @@ class BenchSettings:
             if not self.sampler.get("temperature", 0) > 0:
                 raise RefengineError(f"temperature: a sampler needs a temperature > 0, got {self.sampler}")
             SamplingParams(**self.sampler, seed=0)  # RefengineError naming the field
+        if "llama-cpp" in self.scenarios:
+            for name in ("llama_server", "gguf"):
+                path = getattr(self, name)
+                if path is None or not Path(path).is_file():
+                    raise RefengineError(f"{name}: the llama-cpp scenario needs llama-server and an F32 GGUF of "
+                                         f"the model (benchmarks/llama_cpp.py builds both), got {path!r}")
+            if self.sampler is not None:
+                raise RefengineError("temperature: the llama-cpp scenario decodes greedily")
 
     @property
     def new_tokens(self) -> int:
@@ -236,6 +250,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
     suite = run_suite(args.examples) if "suite" in args.scenarios else None
     faults = run_faults(args.runs, args.examples, args.faults) if "faults" in args.scenarios else None
+    llama_cpp = (run_llama_cpp(model, args.llama_server, args.gguf, args.sweep, args.prompt_len, args.new_tokens,
+                               modes, args.rounds) if "llama-cpp" in args.scenarios else None)
     machine = before.best(measure_machine())
     roofline = Roofline.of(model.config, machine)
     report = {"model": str(model.path), "parameters": roofline.parameters, "weight_bytes_f32": roofline.weight_bytes,
@@ -255,6 +271,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
         report["suite"] = suite
     if faults is not None:
         report["faults"] = faults
+    if llama_cpp is not None:
+        report["llama_cpp"] = llama_cpp
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -284,3 +302,5 @@ def print_report(report: dict) -> None:
         print_suite(report["suite"])
     if "faults" in report:
         print_faults(report["faults"])
+    if "llama_cpp" in report:
+        print_llama_cpp(report["llama_cpp"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +99,8 @@ class RunStats:
     tpot_s_mean: float | None
     latency_s_mean: float | None  # arrival to last token
     latency_s_first: float | None  # the earliest finished request's: what the head of a queue waits
+    # each request's generated ids, for comparing answers across engines (bench.llama_cpp); not in to_json
+    token_ids: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def decode_tok_s(self) -> float:
@@ -109,7 +111,8 @@ class RunStats:
         return self.decode_tokens / self.decode_steps if self.decode_steps else float("nan")
 
     def to_json(self) -> dict:
-        return asdict(self) | {"decode_tok_s": self.decode_tok_s, "mean_decode_batch": self.mean_decode_batch}
+        return ({k: v for k, v in asdict(self).items() if k != "token_ids"}
+                | {"decode_tok_s": self.decode_tok_s, "mean_decode_batch": self.mean_decode_batch})
 
 
 def start_engine(model: Model, requests: list[BenchRequest], mode: str, max_num_seqs: int,
@@ -157,7 +160,8 @@ def run_requests(model: Model, requests: list[BenchRequest], mode: str, max_num_
         quiet_only=used is quiet,
         mean_decode_context=_mean(contexts) or 0.0,
         ttft_s_mean=_mean(o.ttft_s for o in outputs), tpot_s_mean=_mean(o.tpot_s for o in outputs),
-        latency_s_mean=_mean(latencies), latency_s_first=min(latencies, default=None))
+        latency_s_mean=_mean(latencies), latency_s_first=min(latencies, default=None),
+        token_ids={request_id: list(o.token_ids) for request_id, o in engine.outputs().items()})
 
 
 def batch_sweep(model: Model, modes: list[str], batch_sizes: list[int], prompt_len: int, max_tokens: int,

@@ -1,5 +1,6 @@
 """bench: decode throughput of the batching engine vs serial, both kernel modes, against the roofline;
-the cost of a golden refresh; the invariants suite's throughput, and its power against each fault."""
+the cost of a golden refresh; the invariants suite's throughput, and its power against each fault;
+llama.cpp's server on the same requests."""
 from __future__ import annotations
 
 from ..bench.report import (
@@ -34,7 +35,8 @@ def run(args) -> int:
         batch_sizes=tuple(parse_ids(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else (),
         scenarios=tuple(s.strip() for s in args.scenario.split(",") if s.strip()), hf=args.hf, plot=args.plot,
         prompts=args.prompts, examples=args.examples, sampler=_sampler(args), runs=args.runs,
-        faults=tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else ())
+        faults=tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else (),
+        llama_server=args.llama_server, gguf=args.gguf, rounds=args.rounds)
     model = load_model(args.model or (preset_model_dir(args.preset) if args.preset else default_model_dir()))
     report = run_bench(model, settings)
     if args.json:
@@ -65,6 +67,11 @@ def register(subparsers) -> None:
     parser.add_argument("--runs", type=int, default=20, help="faults scenario: independent hunts per fault")
     parser.add_argument("--faults", metavar="LIST", help="faults scenario: comma list of catalogued faults "
                         "(default: every one a schedule property hunts)")
+    parser.add_argument("--llama-server", metavar="BIN", help="llama-cpp scenario: the llama-server binary")
+    parser.add_argument("--gguf", metavar="FILE", help="llama-cpp scenario: an F32 GGUF of the same model "
+                        "(benchmarks/llama_cpp.py builds the server and converts the model)")
+    parser.add_argument("--rounds", type=int, default=3, help="llama-cpp scenario: rounds of every batch size, "
+                        "the engines taking turns")
     parser.add_argument("--temperature", type=float, help="decode scenario: sample at this temperature, request i "
                         "seeded with i (default: greedy)")
     parser.add_argument("--top-k", type=int, help="with --temperature (default 0: off)")
