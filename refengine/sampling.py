@@ -216,11 +216,11 @@ def ranked_logprobs(logprobs: np.ndarray, token: int | None, k: int) -> tuple[fl
 _PHILOX = threading.local()  # token_uniform's generator, one per thread
 
 
-def token_uniform(seed: int, token_index: int) -> float:
-    """The one uniform draw for token `token_index` of a request seeded with `seed`: the first double of
+def token_uniform(seed: int, token_index: int, draw: int = 0) -> float:
+    """The uniform draw for token `token_index` of a request seeded with `seed`: the first double of
     numpy's Philox keyed by (seed mod 2**64, token_index), as Generator(Philox(key=...)).random() draws
-    it. The key is set on a generator kept per thread: building one per token cost more than the
-    token's whole sort."""
+    it; `draw` 1 is the stream's second double (speculative decoding's acceptance test). The key is set
+    on a generator kept per thread: building one per token cost more than the token's whole sort."""
     philox = getattr(_PHILOX, "generator", None)
     if philox is None:
         philox = _PHILOX.generator = np.random.Philox(0)
@@ -228,7 +228,7 @@ def token_uniform(seed: int, token_index: int) -> float:
                     "has_uint32": 0, "uinteger": 0,
                     "state": {"counter": np.zeros(4, np.uint64),
                               "key": np.array([seed & (2**64 - 1), token_index], dtype=np.uint64)}}
-    return (int(philox.random_raw()) >> 11) * 2.0**-53  # the top 53 bits, as Generator.random()
+    return (int(philox.random_raw(draw + 1)[-1]) >> 11) * 2.0**-53  # the top 53 bits, as Generator.random()
 
 
 # Temperatures for which logits / temperature in float64 orders a float32 row exactly as the row itself:
@@ -259,9 +259,9 @@ def sampling_order(logits: np.ndarray, temperature: float, k: int = 0) -> np.nda
     return order[:k] if k else order
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
-    if params.greedy:
-        return greedy_token(logits)
+def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, probabilities) a sampled request draws from: temperature, then top-k, then top-p, the ids
+    most likely first; top-p keeps the first len(probabilities) of the ids."""
     order = sampling_order(logits, params.temperature, params.top_k)
     scaled = logits[order].astype(np.float64) / params.temperature  # [len(order)], descending
     probs = np.exp(scaled - scaled[0])
@@ -269,9 +269,41 @@ def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -
     if params.top_p < 1:
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         probs = probs[:keep] / probs[:keep].sum()
+    return order, probs
+
+
+def _pick(order: np.ndarray, probs: np.ndarray, uniform: float) -> int:
     cdf = np.cumsum(probs)
-    pick = int(np.searchsorted(cdf, token_uniform(params.seed, token_index) * cdf[-1], side="right"))
+    pick = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     return int(order[min(pick, len(order) - 1)])
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
+    if params.greedy:
+        return greedy_token(logits)
+    return _pick(*sampling_distribution(logits, params), token_uniform(params.seed, token_index))
+
+
+def verify_draft(logits: np.ndarray, params: SamplingParams, token_index: int, draft: int,
+                 residual: bool = True) -> int:
+    """The token speculative decoding emits as generated token `token_index`, where a drafter that
+    proposes with certainty (prompt lookup: its distribution q is all on `draft`) proposed `draft`; the
+    draft is accepted where the result is `draft`. Greedy: the argmax. Sampled, with p the request's
+    distribution: `draft` with probability min(1, p/q) = p(draft) (the token's second keyed uniform),
+    else a draw from the residual max(p - q, 0), normalized: p without `draft` (its first). The result
+    is distributed exactly as p (Leviathan et al., 2023). `residual` False
+    (Fault.REJECTION_RESAMPLES_TARGET) draws a rejected position from p itself."""
+    if params.greedy:
+        return greedy_token(logits)
+    order, probs = sampling_distribution(logits, params)
+    at = np.flatnonzero(order[:len(probs)] == draft)
+    drafted = float(probs[at[0]]) if len(at) else 0.0
+    if token_uniform(params.seed, token_index, draw=1) < drafted:
+        return draft
+    if residual:
+        probs = probs.copy()
+        probs[at] = 0.0
+    return _pick(order, probs, token_uniform(params.seed, token_index))
 
 
 def finish_reason(token_id: int, num_generated: int, text: str, params: SamplingParams,

@@ -11,7 +11,8 @@ refusal's field name, the children of an n > 1 request the judge expects, every 
 variants the load sends (validate/plan, board, variants' report), golden answers decoded with
 their special tokens written (check/golden, validate/baseline), the progress the driver watches
 alone and serial runs for (check/driver, check/replay), the scheduler's policy read from a run
-(check/policy), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
+(check/policy), speculative decoding's account (check/speculation) and its baseline without
+speculation (check/replay), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -42,6 +43,7 @@ T_SPECIALS = ["tests/test_effects.py", "tests/test_dialects.py", "-k", "special 
 DRIVER = "refengine/check/driver.py"
 POLICY, T_POLICY = "refengine/check/policy.py", ["tests/test_policy.py"]
 RAY, T_RAY = "refengine/check/golden_ray.py", ["tests/test_golden_ray.py"]
+SPECULATION, T_SPECULATION = "refengine/check/speculation.py", ["tests/test_speculation.py", "-k", "account or fault"]
 T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
@@ -245,6 +247,22 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "arrivals[request.arrival_step] += [request.id]", T_POLICY),
     ("refengine/check/replay.py", "        problems = policy_problems(schedule, outputs, engine.trace)\n",
      "        problems = []\n", T_POLICY),
+    # speculative decoding's account, read from the run, and the baseline without speculation
+    (SPECULATION, 'if chunk["num_tokens"] != 1 + draft:', "if False:", T_SPECULATION),
+    (SPECULATION, "if accepted > draft:", "if accepted > draft + 1:", T_SPECULATION),
+    (SPECULATION, "if received != accepted + 1 and not ended_on_draft:",
+     "if received > accepted + 1 and not ended_on_draft:", T_SPECULATION),
+    (SPECULATION, "ended_on_draft = received == accepted and draft and outputs[rid].finish_step == step",
+     "ended_on_draft = received == accepted and draft", T_SPECULATION),
+    (SPECULATION, "drafts += draft > 0", "drafts += 1", T_SPECULATION),
+    (SPECULATION, "per_position.update(range(accepted))", "per_position.update(range(draft))", T_SPECULATION),
+    (SPECULATION, "any(i >= len(positions) for i in per_position)", "False", T_SPECULATION),
+    ("refengine/check/replay.py", "        problems = speculation_problems(outputs, engine.trace, engine.status())\n",
+     "        problems = []\n", T_SPECULATION),
+    ("refengine/check/replay.py", "baselines.alone(model, replace(config, num_speculative_tokens=0), request)",
+     "baselines.alone(model, config, request)", T_SPECULATION),
+    ("refengine/check/replay.py", 'if against == "unspeculated" and not request.params.greedy:',
+     "if False:", ["tests/test_speculation.py", "-k", "unspeculated"]),
     # the golden refresh on Ray (skipped, and so not killed, where the ray extra is missing)
     (RAY, "    if here != numerics:\n", "    if False:\n", T_RAY),
     (RAY, "cases = [case for n in range(len(groups)) for case in answers[n]]",

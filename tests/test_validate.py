@@ -230,6 +230,25 @@ def test_validate_fails_against_a_server_with_a_fault(serve, tmp_path, capsys):
     assert "-> FAIL" in out
 
 
+def test_a_speculating_server_is_held_to_the_same_model_served_without_speculation(serve, tmp_path, capsys):
+    """--baseline-url: the alone answers from the model served without speculation; the speculating server
+    passes, counting drafts, and one that verifies each draft against the next row fails, though its own
+    alone answers agree with its loaded ones (it is wrong the same way alone)."""
+    plain = serve("--mode", "invariant")
+    args = ["validate", "--golden", str(GOLDEN), "--baseline", "serial", "--baseline-url", plain, "--batch-invariant",
+            "--concurrency", "8", "--cancel-rate", "0", "--seed", "1"]
+    speculating = serve("--mode", "invariant", "--speculative", "ngram:3")
+    report_path = tmp_path / "report.json"
+    assert main([*args, "--url", speculating, "--report", str(report_path)]) == 0, capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    assert report["baseline_url"] == plain and report["summary"]["passed"] and report["summary"]["match"] > 0
+    assert get_json(speculating, "/admin/api/status")[1]["spec_decode_accepted_tokens"] > 0
+    faulty = serve("--mode", "invariant", "--speculative", "ngram:3", fault="draft-compared-one-row-late")
+    assert main([*args, "--url", faulty, "--report", str(report_path)]) == 1
+    assert json.loads(report_path.read_text())["summary"]["diverged"] > 0
+    assert main([*args[:5], *args[7:], "--url", faulty]) == 0  # its own alone answers are wrong the same way
+
+
 def test_requests_the_server_refuses_are_errors_and_fail_validation(serve, tmp_path, capsys):
     url = serve("--max-model-len", "64")  # the long cases' prompt + max_tokens do not fit
     report_path = tmp_path / "report.json"
@@ -243,7 +262,8 @@ def test_requests_the_server_refuses_are_errors_and_fail_validation(serve, tmp_p
 
 
 @pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--cancel-rate", "1"), ("--margin-tolerance", "-1"),
-                                         ("--url", "ftp://127.0.0.1:1"), ("--golden", "no-such-file.jsonl")])
+                                         ("--url", "ftp://127.0.0.1:1"), ("--golden", "no-such-file.jsonl"),
+                                         ("--baseline-url", "http://127.0.0.1:2")])  # the golden baseline is its own
 def test_bad_arguments_are_usage_errors(flag, value, capsys):
     args = {"--url": "http://127.0.0.1:1", "--golden": str(GOLDEN), flag: value}
     assert main(["validate", *[x for kv in args.items() for x in kv]]) == 2

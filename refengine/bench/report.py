@@ -1,8 +1,8 @@
 """`refengine bench`: what it runs and the report it prints -- decode throughput of the batching
 engine vs serial in both kernel modes against the roofline, the Kestrel scenario, the cost of a
 golden refresh (bench.reference), the invariants suite's throughput (bench.suite) and its power
-against each fault (bench.faults), llama.cpp's server on the same requests (bench.llama_cpp), and
-optionally HF transformers on the same workload."""
+against each fault (bench.faults), llama.cpp's server on the same requests (bench.llama_cpp), what
+speculative decoding buys (bench.speculation), and optionally HF transformers on the same workload."""
 from __future__ import annotations
 
 import os
@@ -23,10 +23,11 @@ from .llama_cpp import print_llama_cpp, run_llama_cpp
 from .prefix import print_prefix, run_prefix
 from .reference import print_reference, reference_report, refresh_cases, run_reference
 from .roofline import Roofline, measure_machine
+from .speculation import print_speculation, run_speculation
 from .suite import print_suite, run_suite
 from .workloads import batch_sweep, random_requests
 
-SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite", "faults", "llama-cpp")
+SCENARIOS = ("decode", "kestrel", "prefix", "reference", "suite", "faults", "llama-cpp", "speculation")
 DEFAULT_MAX_TOKENS = 128
 # The performance issue's goals, each a ratio measured in this run: a step's share of its roofline
 # (the median over steps of roofline step / step, each at the machine figure measured right after
@@ -250,6 +251,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
     suite = run_suite(args.examples) if "suite" in args.scenarios else None
     faults = run_faults(args.runs, args.examples, args.faults) if "faults" in args.scenarios else None
+    speculation = run_speculation(model, args.sweep, args.new_tokens, Roofline.of(model.config, before)) \
+        if "speculation" in args.scenarios else None
     llama_cpp = (run_llama_cpp(model, args.llama_server, args.gguf, args.sweep, args.prompt_len, args.new_tokens,
                                modes, args.rounds) if "llama-cpp" in args.scenarios else None)
     machine = before.best(measure_machine())
@@ -273,6 +276,8 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
         report["faults"] = faults
     if llama_cpp is not None:
         report["llama_cpp"] = llama_cpp
+    if speculation is not None:
+        report["speculation"] = speculation
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -304,3 +309,5 @@ def print_report(report: dict) -> None:
         print_faults(report["faults"])
     if "llama_cpp" in report:
         print_llama_cpp(report["llama_cpp"])
+    if "speculation" in report:
+        print_speculation(report["speculation"])

@@ -9,7 +9,8 @@ request asked for logprobs (its `logprobs` key), every agreeing step's reported 
 too: bit-identical in invariant mode, else within twice the logit tolerance of the baseline row's
 float64 log-softmax (check.comparison.logprob_tolerance). With prefix caching on, the run's hits are
 judged too (check.prefix_cache): a misreported or unsourced hit fails it as an engine failure. So does a
-run whose admissions, preemptions and running order break the scheduler's policy (check.policy).
+run whose admissions, preemptions and running order break the scheduler's policy (check.policy), and a
+speculating run whose verifying decodes gave requests other than what they accepted (check.speculation).
 A request with n > 1 is judged child by child, each against its baseline as a request of its own
 (check.schedule.children: child k is the request with seed + k).
 """
@@ -33,12 +34,15 @@ from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .policy import policy_problems
 from .prefix_cache import cache_problems
 from .schedule import Schedule, ScheduledRequest, children
+from .speculation import speculation_problems
 
 AGAINST = {
     "serial": "each request alone (max_num_seqs=1, same settings), run to its natural stop",
     "budget": "the same schedule under another max_num_batched_tokens (other prefill chunks)",
     "reference": "the float64 serial reference (greedy requests; the margin rule with the f32-vs-f64 bound)",
     "prefill": "each decode step of a request alone against a fresh prefill of the same prefix",
+    "unspeculated": "each request alone without speculative decoding (greedy requests: a seeded sampler draws "
+                    "otherwise under speculation, with the same distribution)",
 }
 
 
@@ -152,12 +156,15 @@ def replay(model: Model, schedule: Schedule, *, against: str = "serial", other_b
     if failure is None:
         problems = policy_problems(schedule, outputs, engine.trace)
         failure = "scheduling policy: " + "; ".join(problems) if problems else None
+    if failure is None and config.num_speculative_tokens:
+        problems = speculation_problems(outputs, engine.trace, engine.status())
+        failure = "speculative decoding: " + "; ".join(problems) if problems else None
     exact = config.mode == "invariant" and against != "reference"
     bound = "f32_vs_f64" if against == "reference" else "f32_batched_vs_serial"
     tol = None if exact else tolerance(calibration, bound)
     names = {"serial": ("batched", "alone"), "reference": ("engine f32", "reference f64"),
              "budget": (f"budget {config.max_num_batched_tokens}", f"budget {other_budget}"),
-             "prefill": ("decode", "fresh prefill")}[against]
+             "prefill": ("decode", "fresh prefill"), "unspeculated": ("speculating", "alone unspeculated")}[against]
     wanted = None
     if against == "budget":
         other_config = replace(config, max_num_batched_tokens=other_budget)
@@ -181,11 +188,15 @@ def _verdict(model, config, request, against, outputs, baselines, exact, tol, na
         return _prefill_verdict(model, config, request, baselines, exact, tol)
     if against == "reference" and not request.params.greedy:
         return Verdict(request.id, "skipped", reason="seeded sampling has no float64 baseline")
+    if against == "unspeculated" and not request.params.greedy:
+        return Verdict(request.id, "skipped", reason="seeded sampling draws otherwise under speculation")
     if request.id not in outputs:  # the run stopped at the engine failure before it arrived
         return Verdict(request.id, "skipped", reason="never ran: the engine failed before its arrival")
     want = {"serial": lambda: baselines.alone(model, config, request),
             "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
-            "budget": lambda: wanted[request.id]}[against]()
+            "budget": lambda: wanted[request.id],
+            "unspeculated": lambda: baselines.alone(model, replace(config, num_speculative_tokens=0), request),
+            }[against]()
     return compare_request(request.id, outputs[request.id], want, exact=exact,
                            margin_tolerance=(tol or 0.0) * processed_noise_gain(request.params),
                            noise_tolerance=tol or 0.0, num_logprobs=request.logprobs,

@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import EngineConfig
-from ..engine.config import SETTINGS
+from ..engine.config import SETTINGS, SPECULATION_SETTINGS
 from ..errors import RefengineError
 from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
 
-ENGINE_KEYS = set(SETTINGS)
+ENGINE_KEYS = set(SETTINGS) | set(SPECULATION_SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
                 "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "cache_salt", *PROCESSOR_KEYS}

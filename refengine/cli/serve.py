@@ -21,7 +21,8 @@ def run_serve(args) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                           scheduling_policy=args.scheduling_policy,
-                          enable_prefix_caching=args.enable_prefix_caching, fault=fault_from(args))
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          num_speculative_tokens=_speculative_tokens(args.speculative), fault=fault_from(args))
     try:
         server = OpenAIServer(open_model(args), config, args.host, args.port, max_waiting=args.max_waiting,
                               queue_timeout=args.queue_timeout, served_name=args.served_model_name,
@@ -34,6 +35,16 @@ def run_serve(args) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _speculative_tokens(spec: str | None) -> int:
+    """--speculative ngram:K -> K draft tokens by prompt lookup; none -> 0."""
+    if spec is None:
+        return 0
+    method, _, k = spec.partition(":")
+    if method != "ngram" or not k.isdigit() or int(k) < 1:
+        raise RefengineError(f"--speculative: expected ngram:K with K >= 1 draft tokens (prompt lookup), got {spec!r}")
+    return int(k)
 
 
 def register(subparsers) -> None:
@@ -53,6 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share computed KV blocks between requests with a common prompt prefix (and the same "
                         "cache_salt), as vLLM, SGLang and llama.cpp do by default")
+    p.add_argument("--speculative", metavar="ngram:K",
+                   help="speculative decoding: up to K draft tokens per decode by prompt lookup (n-grams of the "
+                        "request's own tokens), verified in the batched forward")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may queue beyond the running batch before new ones wait for a slot")
     p.add_argument("--queue-timeout", type=float, default=30.0,

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from ..check.golden import load_prompts, read_golden
+from ..check.rounded import PRECISIONS
 from ..errors import RefengineError
 from ..model import load_model
-from ..check.rounded import PRECISIONS
 from ..validate.board import Cases, validate
 from ..validate.effects import plot_effects
 from ..validate.junit import write_junit
@@ -34,7 +34,8 @@ def run_validate(args) -> int:
     settings = Settings(concurrency=args.concurrency, seed=args.seed, cancel_rate=args.cancel_rate,
                         margin_tolerance=args.margin_tolerance, api=args.api, arrival_spread=args.arrival_spread,
                         repeat=args.repeat, timeout=args.timeout, baseline=baseline, precision=args.precision,
-                        batch_invariant=args.batch_invariant, variant_rate=args.variant_rate)
+                        batch_invariant=args.batch_invariant, variant_rate=args.variant_rate,
+                        baseline_url=args.baseline_url)
     cases = load_cases(args.golden, args.prompts)
     return finish(args, validate(args.url, cases, settings, margins=local_margins(args)), cases)
 
@@ -56,7 +57,8 @@ def replay_repro(args) -> int:
     s = data["settings"]
     settings = Settings(concurrency=s["concurrency"], margin_tolerance=s.get("margin_tolerance"), api=s["api"],
                         timeout=args.timeout if s.get("timeout") is None else s["timeout"], baseline=data["baseline"],
-                        precision=s.get("precision", "f32"), batch_invariant=s.get("batch_invariant", False))
+                        precision=s.get("precision", "f32"), batch_invariant=s.get("batch_invariant", False),
+                        baseline_url=args.baseline_url or data.get("baseline_url"))
     report = validate(args.url, cases, settings, planned_from(data, cases.cases, args.replay), local_margins(args))
     return finish(args, report, cases)
 
@@ -92,6 +94,9 @@ def register(subparsers) -> None:
     p.add_argument("--baseline", choices=BASELINES,
                    help="golden: the golden file's float64 answers (default with --golden); serial: the same "
                         "server's answer to each case sent alone (default with --prompts)")
+    p.add_argument("--baseline-url", metavar="URL",
+                   help="serial baseline from another server: each case's answer alone from URL, the same model "
+                        "served another way (speculative decoding off, another build or engine)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival / streaming / cancel schedule")
     p.add_argument("--cancel-rate", type=float, default=0.2,

@@ -113,6 +113,15 @@ class BlockManager:
         table.block_ids.clear()
         self.tables.pop(table.owner, None)
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the blocks of `table` past its first `num_tokens` tokens (speculative decoding's
+        rejected drafts), the last first, as `free` does."""
+        while len(table.block_ids) > self.blocks_for(num_tokens):
+            block_id = table.block_ids.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids[block_id] = None
+
     # --- prefix caching ---------------------------------------------------------------------------
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """The registered blocks of the longest prefix of `hashes` (none without caching)."""

@@ -28,6 +28,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"   # the order of a step's chunks (SCHEDULING_POLICIES)
     scheduling_seed: int = 0          # "shuffled": with the step number, picks each step's permutation
     enable_prefix_caching: bool = False  # share computed full KV blocks between requests (block_manager)
+    # Speculative decoding by prompt lookup (engine/drafter.py): up to this many draft tokens per decode,
+    # verified in the step's forward; 0: off. Drafts match the last prompt_lookup_max..min tokens.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
     injected: Fault | None = field(default=None, init=False, repr=False, compare=False)  # `fault`, resolved
 
     def __post_init__(self):
@@ -41,12 +46,22 @@ class EngineConfig:
         seed = self.scheduling_seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise RefengineError(f"scheduling_seed: must be a non-negative integer, got {seed!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len",
+                     "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "max_model_len"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RefengineError(f"{name}: must be a positive integer, got {value!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise RefengineError(f"num_speculative_tokens: must be a non-negative integer, got {k!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise RefengineError(f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max "
+                                 f"{self.prompt_lookup_max}")
+        if k and self.max_num_batched_tokens < 1 + k:  # a verifying decode is scheduled whole or not at all
+            raise RefengineError(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold a decode "
+                                 f"with {k} draft tokens")
         object.__setattr__(self, "injected", resolve_fault(self.fault))
 
     def resolved(self, model_config: ModelConfig) -> EngineConfig:
@@ -60,9 +75,12 @@ class EngineConfig:
         return replace(self, max_model_len=max_model_len, num_blocks=num_blocks)
 
     def settings(self) -> dict:
-        """The schedule format's `engine` object for these settings (the run output echoes it)."""
-        return {name: getattr(self, name) for name in SETTINGS}
+        """The schedule format's `engine` object for these settings (the run output echoes it); the
+        speculation keys only where it is on, so settings from before it read the same."""
+        names = SETTINGS + SPECULATION_SETTINGS if self.num_speculative_tokens else SETTINGS
+        return {name: getattr(self, name) for name in names}
 
 
 SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault",
             "scheduling_policy", "scheduling_seed", "enable_prefix_caching")
+SPECULATION_SETTINGS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")

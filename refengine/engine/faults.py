@@ -58,6 +58,11 @@ class Fault(Enum):
     FORK_BEFORE_PREFILL_DONE = "fork-before-prefill-done"
     LAST_ADMISSION_SLOT_UNUSED = "last-admission-slot-unused"
     PREEMPTED_REQUEUED_LAST = "preempted-requeued-last"
+    BONUS_TOKEN_DUPLICATED = "bonus-token-duplicated"
+    DRAFT_COMPARED_ONE_ROW_LATE = "draft-compared-one-row-late"
+    REJECTED_DRAFT_BLOCKS_KEPT = "rejected-draft-blocks-kept"
+    REJECTION_RESAMPLES_TARGET = "rejection-resamples-target"
+    DRAFT_POSITIONS_OFF_ON_JOIN = "draft-positions-off-on-join"
 
 
 DESCRIPTIONS = {
@@ -191,6 +196,23 @@ DESCRIPTIONS = {
         "a preempted request goes to the back of the waiting queue instead of its front: every request that "
         "arrived after it is admitted first, so under steady load it starves; each answer is still the "
         "request's answer alone (only the scheduling-policy check sees it)",
+    Fault.BONUS_TOKEN_DUPLICATED:
+        "speculative decoding: when every draft token is accepted, the bonus token from the last verification "
+        "row is emitted twice (the second without KV behind it)",
+    Fault.DRAFT_COMPARED_ONE_ROW_LATE:
+        "speculative decoding: draft token j is verified against the row after the one that predicts it, so "
+        "a draft is accepted or replaced by what the target says one position later",
+    Fault.REJECTED_DRAFT_BLOCKS_KEPT:
+        "speculative decoding: after a rejection the sequence's computed count is rolled back but the KV "
+        "blocks it allocated for the rejected draft tokens stay in its block table (a leak the KV accounting "
+        "sees; a long run exhausts the pool)",
+    Fault.REJECTION_RESAMPLES_TARGET:
+        "speculative decoding, seeded sampling: a rejected draft position draws again from the target's "
+        "distribution instead of the residual (target minus draft): every token is still one the target "
+        "could draw, but the rejected draft gets a second chance, so only a distribution test sees it",
+    Fault.DRAFT_POSITIONS_OFF_ON_JOIN:
+        "speculative decoding: the draft tokens of a request that is not the step's first chunk get RoPE "
+        "positions one too low (counted from its input token instead of after it); alone it is right",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

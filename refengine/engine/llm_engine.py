@@ -16,6 +16,7 @@
     outputs["r0"].token_ids, .text, .finish_reason, .steps[i].logits_sha256, .ttft_steps, ...
     engine.trace, engine.metrics, engine.status(), engine.check_invariants(), engine.release("r0")
     engine.choose_token(row, params, token_index)  # the token the engine draws from one logits row
+    engine.verify_token(row, params, token_index, draft)  # ... from a row verifying a draft token
 
 Defaults: num_blocks=None -> enough for max_num_seqs sequences of min(max_model_len, 2048) tokens;
 max_model_len=None -> the model's max_position_embeddings. Serial operation is max_num_seqs=1.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import replace
+from itertools import accumulate
 
 import numpy as np
 
@@ -45,17 +47,18 @@ from ..sampling import (
     ranked_logprobs,
     sample_token,
     top2_margin,
+    verify_draft,
 )
 from .block_manager import BlockManager, salt_root
 from .config import EngineConfig
 from .faults import Fault
 from .kernels import top2
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, SpeculationCounters
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, TokenEvent, request_output
 from .penalties import PenaltyRows
 from .prompt_logprobs import PromptScorer
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
 
@@ -100,6 +103,12 @@ class LLMEngine:
         self._salt_root = (lambda salt: b"") if self.config.injected is Fault.CACHE_SALT_IGNORED else salt_root
         self._register_sampled = self.scheduler.register_sampled \
             if self.config.injected is Fault.CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN else (lambda seq: None)
+        self.speculation = SpeculationCounters(self.config.num_speculative_tokens)
+        # verification row of draft token j, of n (Fault.DRAFT_COMPARED_ONE_ROW_LATE: the row after it)
+        self._verified_row = (lambda j, n: min(j + 1, n)) if fault is Fault.DRAFT_COMPARED_ONE_ROW_LATE \
+            else (lambda j, n: j)
+        self._duplicate_bonus = fault is Fault.BONUS_TOKEN_DUPLICATED
+        self._residual = fault is not Fault.REJECTION_RESAMPLES_TARGET
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams(),
@@ -182,30 +191,64 @@ class LLMEngine:
         self._release_penalty_rows()
         kv_blocks_used = self.block_manager.num_used_blocks
         sampling = [c for c in output.chunks if c.samples]
+        rows = list(accumulate([1 + len(c.draft) for c in sampling], initial=0))  # chunk i's first logits row: rows[i]
         scored = self.prompt_scorer.positions(output.chunks)
         logits = self.runner.execute(output.chunks, self.block_manager, scored, output.copies) if output.chunks else ()
         if scored:  # the prompt rows follow the sampling rows; a first token's event carries its prompt's
-            self.prompt_scorer.record(output.chunks, scored, logits[len(sampling):])
-            logits = logits[:len(sampling)]
+            self.prompt_scorer.record(output.chunks, scored, logits[rows[-1]:])
+            logits = logits[:rows[-1]]
         self.scheduler.postprocess(output)
         left = self._finished_last_step or bool(aborted)
         if self._misassign_after_leave and left and len(sampling) > 1:
             logits = np.roll(logits, 1, axis=0)
         seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
         leaked_seed = seeds[0] if self._leak_seed and seeds else None
-        logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling])
+        logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling
+                                                for _ in range(1 + len(c.draft))] if rows[-1] > len(sampling) else
+                                       [c.seq.params.logprobs > 0 for c in sampling])
         best, margins = top2(logits) if sampling else ((), ())
-        for chunk, row, row_best, margin, row_logprobs, adjusted in zip(sampling, logits, best, margins, logprobs,
-                                                                          self._adjusted(sampling, logits)):
-            if adjusted is not None:
-                row_best, margin = greedy_token(adjusted), top2_margin(adjusted)
-            events.append(self._append_token(chunk.seq, row, int(row_best), float(margin), step, leaked_seed,
-                                             row_logprobs, adjusted))
+        verified: dict[str, int] = {}  # accepted drafts, by request
+        own_rows = logits if rows[-1] == len(sampling) else logits[rows[:-1]]  # each sampling chunk's first row
+        for chunk, first, adjusted in zip(sampling, rows, self._adjusted(sampling, own_rows)):
+            if chunk.draft:
+                chunk_events, verified[chunk.seq.request_id] = self._verify(chunk, logits, best, margins, logprobs,
+                                                                           first, step, leaked_seed)
+                events += chunk_events
+                continue
+            row_best, margin = (best[first], margins[first]) if adjusted is None else \
+                (greedy_token(adjusted), top2_margin(adjusted))
+            events.append(self._append_token(chunk.seq, logits[first], int(row_best), float(margin), step,
+                                             leaked_seed, logprobs[first], adjusted))
         self._finished_last_step = any(e.finish_reason for e in events if e.token_id is not None)
         self._release_penalty_rows()
-        self._record(step, output, aborted, kv_blocks_used, time.perf_counter() - started)
+        self._record(step, output, aborted, kv_blocks_used, verified, time.perf_counter() - started)
         self.num_steps += 1
         return events
+
+    def _verify(self, chunk: ScheduledChunk, logits, best, margins, logprobs, first: int, step: int,
+                leaked_seed: int | None) -> tuple[list[TokenEvent], int]:
+        """(verify) Row j of a verifying decode predicts the token after its j-th input: it settles draft
+        token j (verify_draft), and the first token that is not the draft ends the chunk; when every
+        draft is accepted the last row yields the bonus token. The sequence then counts its input and
+        the accepted drafts as computed (Scheduler.verified). Returns the events and how many drafts it
+        accepted."""
+        seq, draft, events, accepted = chunk.seq, chunk.draft, [], 0
+        for j in range(len(draft) + 1):
+            row = first + self._verified_row(j, len(draft))
+            proposed = draft[j] if j < len(draft) else None
+            events.append(self._append_token(seq, logits[row], int(best[row]), float(margins[row]), step,
+                                             leaked_seed, logprobs[row], draft=proposed))
+            if events[-1].token_id != proposed:
+                break
+            accepted += 1
+            if events[-1].finish_reason:
+                break
+        if self._duplicate_bonus and draft and accepted == len(draft) and not seq.is_finished:
+            events.append(self._append_token(seq, logits[row], int(best[row]), float(margins[row]), step,
+                                             leaked_seed, logprobs[row]))
+        self.scheduler.verified(chunk, accepted)
+        self.speculation.record(len(draft), accepted)
+        return events, accepted
 
     def _release_penalty_rows(self) -> None:
         """Free the penalty rows of requests no longer running (at an abort; after scheduling: preempted, and
@@ -241,16 +284,20 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, logits: np.ndarray, best: int, margin: float, step: int,
                       leaked_seed: int | None, row_logprobs: np.ndarray | None = None,
-                      adjusted: np.ndarray | None = None) -> TokenEvent:
+                      adjusted: np.ndarray | None = None, draft: int | None = None) -> TokenEvent:
         """The row's token (`best`, its greedy token, where the request is greedy) and its record.
         `margin` is the top-2 margin of the row the token is chosen from: `adjusted` where the request's
-        logits processors made one, else `logits` (which the record's digest and logprobs are of)."""
+        logits processors made one, else `logits` (which the record's digest and logprobs are of).
+        `draft`: the draft token this row verifies (sampling.verify_draft decides)."""
         params = seq.params
         if params.greedy:
             token = best
         else:
             drawn = params if leaked_seed is None else replace(params, seed=leaked_seed)
-            token = self.choose_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids))
+            if draft is None:
+                token = self.choose_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids))
+            else:
+                token = self.verify_token(logits, drawn, len(seq.output_ids), draft)
         logprob, alternatives = (None, []) if row_logprobs is None else \
             ranked_logprobs(row_logprobs, token, params.logprobs)
         record = StepRecord(token, margin, alternatives, logprob, step,
@@ -277,11 +324,20 @@ class LLMEngine:
             logits, params = _nucleus_without_crossing_token(logits, params)
         return sample_token(logits, params, token_index)
 
+    def verify_token(self, logits: np.ndarray, params: SamplingParams, token_index: int, draft: int) -> int:
+        """The token the engine emits for generated token `token_index` from a verification row whose
+        draft token was `draft` (sampling.verify_draft; the draft was accepted where they are equal)."""
+        return verify_draft(logits, params, token_index, draft, self._residual)
+
     def _record(self, step: int, output: SchedulerOutput, aborted: list[str], kv_blocks_used: int,
-                seconds: float) -> None:
+                verified: dict[str, int], seconds: float) -> None:
+        """The step's trace entry; a decode that verified drafts also records how many (`draft`, of
+        num_tokens) and how many it `accepted`."""
         self.trace.append({
             "step": step,
-            "scheduled": [{"id": c.seq.request_id, "phase": c.phase, "start": c.start, "num_tokens": c.num_tokens}
+            "scheduled": [{"id": c.seq.request_id, "phase": c.phase, "start": c.start, "num_tokens": c.num_tokens,
+                           "draft": len(c.draft), "accepted": verified[c.seq.request_id]} if c.draft else
+                          {"id": c.seq.request_id, "phase": c.phase, "start": c.start, "num_tokens": c.num_tokens}
                           for c in output.chunks],
             "preempted": [s.request_id for s in output.preempted], "aborted": aborted,
             "kv_blocks_used": kv_blocks_used})
@@ -314,7 +370,8 @@ class LLMEngine:
 
     @property
     def metrics(self) -> dict:
-        return self._metrics.summary(self.outputs().values())
+        summary = self._metrics.summary(self.outputs().values())
+        return summary | self.speculation.status() if self.config.num_speculative_tokens else summary
 
     def status(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -326,7 +383,8 @@ class LLMEngine:
                 "prefix_cache_hits": self.scheduler.prefix_cache_hits,
                 "logits_processor_rows": len(self.penalties.ids),
                 "requests_with_logits_processors": self.requests_with_logits_processors,
-                "prompt_logprob_tokens": self.prompt_scorer.scored_tokens, "forks": self.scheduler.forks}
+                "prompt_logprob_tokens": self.prompt_scorer.scored_tokens, "forks": self.scheduler.forks,
+                **self.speculation.status()}
 
     def check_invariants(self) -> None:
         """AssertionError unless the KV accounting adds up, finished requests hold no blocks and every

@@ -52,3 +52,30 @@ class EngineMetrics:
             "tpot_steps_mean": _mean(o.tpot_steps for o in outputs),
             "tpot_s_mean": _mean(o.tpot_s for o in outputs),
         }
+
+
+class SpeculationCounters:
+    """Speculative decoding's acceptance, counted as vLLM counts it (its spec_decode counters): a draft
+    is one verifying decode that proposed at least one token; accepted_per_position[i] counts the
+    drafts whose token i was accepted. A verifying decode yields accepted + 1 tokens unless its request
+    finished on an accepted draft (suite/test_speculation.py holds the counts to the streamed tokens)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.drafts = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def status(self) -> dict:
+        return {"spec_decode_drafts": self.drafts, "spec_decode_draft_tokens": self.draft_tokens,
+                "spec_decode_accepted_tokens": self.accepted_tokens,
+                "spec_decode_accepted_per_position": list(self.accepted_per_position)}

@@ -153,6 +153,7 @@ class ModelRunner:
         self.short_decode_after_prefill = config.injected is Fault.DECODE_CONTEXT_AFTER_PREFILL
         self.moves_spans = self.short_chunk_past or self.short_decode_after_prefill
         self.scored_from_step_start = config.injected is Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START
+        self.draft_positions_off = config.injected is Fault.DRAFT_POSITIONS_OFF_ON_JOIN
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
@@ -170,8 +171,9 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk], block_manager: BlockManager,
                 scored: list[tuple[int, range]] = (), copies: list[tuple[int, int]] = ()) -> np.ndarray:
-        """Run one forward over `chunks`; returns float32 logits [num sampling chunks + scored rows, vocab]:
-        a row per sampling chunk, then the rows of `scored`'s positions ((chunk index, positions) pairs:
+        """Run one forward over `chunks`; returns float32 logits [sampling rows + scored rows, vocab]: a row
+        per sampling chunk (1 + its drafts for a verifying decode), then the rows of `scored`'s positions
+        ((chunk index, positions) pairs:
         engine/prompt_logprobs.py), in order. `copies` ((source, destination) blocks: a fork's partial
         block) are made first, in every layer."""
         cfg = self.cfg
@@ -234,7 +236,8 @@ class ModelRunner:
 
     def _prepare(self, chunks: list[ScheduledChunk], block_manager: BlockManager, scored=()):
         """The step's inputs in one pass over the chunks: (ids, positions, slots) [tokens] int64 each, the
-        AttentionPlan, the rows that meet the head (one per sampling chunk, then `scored`'s) and the keys
+        AttentionPlan, the rows that meet the head (one per sampling chunk, 1 + its drafts for a verifying
+        decode, then `scored`'s) and the keys
         all rows attend to.
         Python lists, one array each at the end: a decode step has one token per chunk, and a numpy
         call per chunk cost more than the tiny models' whole forward."""
@@ -244,19 +247,25 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             firsts.append(lo)
             seq, start, end, n = c.seq, c.start, c.start + c.num_tokens, c.num_tokens
-            ids += seq.token_ids[start:end]
+            ids += seq.token_ids[start:end - len(c.draft)]
+            ids += c.draft
             shift = int(self.shift_on_join and i > 0 and start == 0)
-            positions += range(start + shift, end + shift)
+            if self.draft_positions_off and i > 0 and c.draft:  # Fault.DRAFT_POSITIONS_OFF_ON_JOIN
+                positions += [start, *range(start, end - 1)]
+            else:
+                positions += range(start + shift, end + shift)
             slots += block_manager.slot_mapping(seq.block_table, start, end)
             blocks = seq.block_table.block_ids
             tables.append(blocks + [0] * (width - len(blocks)))
             past, attended = self._attended_span(chunks, i) if self.moves_spans else (start, end)
             row_seq += [i] * n
             row_keys += range(past + 1, past + n + 1)  # row r sits at position past + r, sees its own key
-            if self.attend_chunk is not None and n > 1:
+            if self.attend_chunk is not None and n > 1 and not c.draft:  # a verifying decode's rows: as decodes
                 whole.append((i, lo, lo + n, past, attended))
             lo += n
-            if c.samples:
+            if c.draft:  # a verifying decode: a row per draft token, then the bonus row
+                sampling += range(lo - 1 - len(c.draft), lo)
+            elif c.samples:
                 sampling.append(self._sampling_row(chunks, i, lo) if self.row_past_next_chunk else lo - 1)
         for i, span in scored:  # row = the chunk's first row + (position - its start)
             first = 0 if self.scored_from_step_start else firsts[i]  # Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ..errors import RefengineError
 from .block_manager import BlockManager, block_hashes
 from .config import EngineConfig
+from .drafter import prompt_lookup
 from .faults import Fault
 from .sequence import Sequence, SequenceStatus
 
@@ -41,6 +42,8 @@ class ScheduledChunk:
     num_tokens: int
     phase: str       # "prefill" | "decode"
     samples: bool    # the chunk reaches the sequence's last token, so its last row yields a new token
+    # Speculative decoding: the draft tokens a decode verifies, fed after its input token (num_tokens counts them)
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -64,6 +67,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs - (config.injected is Fault.LAST_ADMISSION_SLOT_UNUSED)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.prompt_lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
         self.fault = config.injected
         self.policy, self.seed = config.scheduling_policy, config.scheduling_seed
         self.num_steps = 0  # schedule() calls so far: the engine's step number
@@ -115,11 +120,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
-        index = 0
+        index, waits = 0, False
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(self._remaining(seq), budget)
-            while not self.block_manager.can_allocate(seq.block_table, seq.num_computed_tokens + num_tokens):
+            draft = self._draft(seq) if self.num_speculative_tokens else ()
+            if num_tokens + len(draft) > budget:  # a verifying decode runs whole or waits: its drafts are its own
+                waits = True
+                break
+            while not self.block_manager.can_allocate(seq.block_table,
+                                                      seq.num_computed_tokens + num_tokens + len(draft)):
                 victim = self.running.pop()
                 self.preempt(victim)
                 preempted.append(victim)
@@ -127,11 +137,11 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            chunks.append(self._allocate(seq, num_tokens))
-            budget -= num_tokens
+            chunks.append(self._allocate(seq, num_tokens, draft))
+            budget -= num_tokens + len(draft)
             index += 1
         copies: list[tuple[int, int]] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and not waits and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             source = self._fork_source(seq)
             if source is WAIT:
@@ -193,6 +203,17 @@ class Scheduler:
             return sorted(chunks, key=lambda c: hashlib.sha256((salt + c.seq.request_id).encode()).digest())
         return chunks
 
+    def _draft(self, seq: Sequence) -> list[int]:
+        """(draft) The draft tokens a running sequence's decode verifies: prompt lookup in its own tokens
+        (engine/drafter.py), up to num_speculative_tokens, always leaving room for the token its last
+        verification row yields. Proposed here, where the decode's tokens are decided, so the budget and
+        the blocks are exactly what it feeds. A request whose logits processors read its generated tokens
+        does not speculate (each row would need the counts of the drafts before it)."""
+        if seq.params.processes_logits or self._remaining(seq) != 1 or not seq.output_ids:
+            return []
+        room = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
+        return prompt_lookup(seq.token_ids, room, *self.prompt_lookup) if room > 0 else []
+
     def _remaining(self, seq: Sequence) -> int:
         """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""
         if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and \
@@ -228,11 +249,12 @@ class Scheduler:
         if seq.num_cached_tokens is None:  # its first admission: what the request is told (usage)
             seq.num_cached_tokens = cached
 
-    def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    def _allocate(self, seq: Sequence, num_tokens: int, draft: list[int] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        self.block_manager.allocate(seq.block_table, start + num_tokens)
+        self.block_manager.allocate(seq.block_table, start + num_tokens + len(draft))
         phase = "decode" if seq.is_decode(start, num_tokens) else "prefill"
-        return ScheduledChunk(seq, start, num_tokens, phase, start + num_tokens == seq.num_tokens)
+        return ScheduledChunk(seq, start, num_tokens + len(draft), phase, start + num_tokens == seq.num_tokens,
+                              tuple(draft))
 
     def preempt(self, seq: Sequence) -> None:
         freed = list(seq.block_table.block_ids)
@@ -245,8 +267,11 @@ class Scheduler:
         self._requeue(seq)
 
     def postprocess(self, output: SchedulerOutput) -> None:
-        """The step's forward has written these tokens' KV: full blocks of it become cacheable."""
+        """The step's forward has written these tokens' KV: full blocks of it become cacheable. A chunk
+        that verifies drafts is settled by `verified` once the engine knows how many it accepted."""
         for chunk in output.chunks:
+            if chunk.draft:
+                continue
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             if self.fault is Fault.NO_RECOMPUTE_ON_RESUME and seq.num_preemptions and chunk.end == seq.num_prompt_tokens:
@@ -254,6 +279,20 @@ class Scheduler:
             if self.block_manager.enable_caching:  # the blocks this chunk filled; earlier ones had their turn
                 self.block_manager.register(seq.block_table, self._hashes(seq, chunk.end),
                                             chunk.start // self.block_manager.block_size)
+
+    def verified(self, chunk: ScheduledChunk, accepted: int) -> None:
+        """A verifying decode accepted `accepted` of its draft tokens: its input token and those are
+        computed; the blocks reserved past them go back to the pool (Fault.REJECTED_DRAFT_BLOCKS_KEPT:
+        they stay in its table), and its full blocks of verified tokens become cacheable."""
+        seq = chunk.seq
+        if seq.is_finished:  # its blocks are freed already
+            return
+        seq.num_computed_tokens = chunk.start + 1 + accepted
+        if self.fault is not Fault.REJECTED_DRAFT_BLOCKS_KEPT:
+            self.block_manager.trim(seq.block_table, seq.num_computed_tokens)
+        if self.block_manager.enable_caching:
+            self.block_manager.register(seq.block_table, self._hashes(seq, seq.num_computed_tokens),
+                                        chunk.start // self.block_manager.block_size)
 
     def register_sampled(self, seq: Sequence) -> None:
         """Fault.CACHED_BLOCK_WITH_UNCOMPUTED_TOKEN: registers the block a just-sampled token filled, whose

@@ -37,6 +37,9 @@ COUNTERS = (
     ("refengine_prompt_logprob_tokens", "prompt_logprob_tokens",
      "Prompt tokens scored for prompt logprobs (prompt_logprobs, echo with logprobs)."),
     ("refengine_forks", "forks", "Answers of an n > 1 request admitted by forking a sibling's prompt KV."),
+    ("vllm:spec_decode_num_drafts", "spec_decode_drafts", "Number of spec decoding drafts."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_draft_tokens", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_accepted_tokens", "Number of accepted tokens."),
 )
 FINISH_REASONS = ("stop", "length")  # vllm:request_success_total{finished_reason}; aborts are counted apart
 
@@ -62,6 +65,9 @@ def render(status: dict) -> str:
            [(labels, kv_usage(status))])
     for name, key, help_text in COUNTERS:
         family(f"{name}_total", "counter", help_text, [(labels, status[key])])
+    family("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.",
+           [(_labels({"model_name": status.get("model", ""), "position": str(position)}), count)
+            for position, count in enumerate(status["spec_decode_accepted_per_position"])])
     family("vllm:request_success_total", "counter", "Count of successfully processed requests.",
            [(_labels({"model_name": status.get("model", ""), "finished_reason": reason}),
              status[f"requests_finished_{reason}"]) for reason in FINISH_REASONS])

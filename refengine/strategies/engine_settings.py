@@ -10,6 +10,9 @@
   and "shuffled" (any permutation, by `scheduling_seed`), so every row order reaches the runner.
   The seed is drawn whatever the policy (a fixed number of draws, so shrinking the policy to "fcfs"
   moves no other draw) and written only with "shuffled".
+- `num_speculative_tokens`: off in half the examples, else 1-4 draft tokens by prompt lookup (never more
+  than the budget leaves beside the decode's own token), shrinking towards off; written only when on.
+  Drawn last, so the draws before it mean what they meant before speculation existed.
 Under pressure (burst schedules) several sequences run at once on small blocks: max_num_seqs >= 2,
 budget >= 8, block_size <= 8, so growing sequences cross block boundaries and exhaust a tight pool.
 Seats and budget shrink towards the roomiest engine (8 seats, 64 tokens), so a shrunk schedule
@@ -26,6 +29,7 @@ from ..engine.config import SCHEDULING_POLICIES
 MAX_MODEL_LEN = 128
 MODES = ("invariant", "fast")
 MAX_SCHEDULING_SEED = 2**16 - 1
+SPECULATIVE_TOKENS = st.one_of(st.just(0), st.integers(1, 4))
 
 
 def roomiest_first(low: int, high: int) -> st.SearchStrategy[int]:
@@ -49,6 +53,9 @@ def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> di
     settings["scheduling_policy"] = policy
     if policy == "shuffled":
         settings["scheduling_seed"] = seed
+    speculative = min(draw(SPECULATIVE_TOKENS), settings["max_num_batched_tokens"] - 1)
+    if speculative:
+        settings["num_speculative_tokens"] = speculative
     return settings
 
 

@@ -3,7 +3,8 @@ so that what random draws reach only now and then is checked on every run. Each 
 bug: a request carrying per-request state preempted and resumed, a prompt scored while another request
 runs, n answers forked beside other requests and from a chunked prefill, a preempted request and a later
 arrival both waiting, an abort a step after arrival,
-a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn.
+a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn,
+draft tokens verified, all accepted and some rejected, behind another request's chunk.
 Random runs of the dev profile's budget reach them only now and then (refengine bench --scenario faults;
 the performance pages have the figures); the fault hunts (suite.hunts) try them first too.
 """
@@ -21,6 +22,7 @@ def _engine(**settings) -> dict:
 
 
 SAMPLED = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
+LOOPING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # prompt lookup proposes 7, 8, 5 after it
 
 CORNERS = {  # property -> {situation: schedule}
     "invariant-mode-is-exact": {
@@ -49,6 +51,17 @@ CORNERS = {  # property -> {situation: schedule}
             {"id": f"r{n}", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4} for n in range(3)]},
         "aborted-a-step-after-arrival": {"engine": _engine(block_size=1, num_blocks=9), "requests": [
             {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "abort_step": 1, "max_tokens": 8}]},
+        # a request whose prompt repeats itself verifies drafts while it is not the step's first chunk
+        "drafts-verified-behind-another": {"engine": _engine(block_size=2, num_blocks=16, num_speculative_tokens=3),
+                                           "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 6},
+            {"id": "r1", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 6}]},
+    },
+    "speculation-changes-no-greedy-answer": {
+        # a prompt that repeats itself: drafts all accepted, and rejected, on block edges
+        "drafts-accepted-and-rejected": {"engine": _engine(block_size=2, num_blocks=16, num_speculative_tokens=3),
+                                         "requests": [
+            {"id": "r0", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 8}]},
     },
     "prefix-caching-is-exact": {
         "hit-on-a-running-prompt": {"engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True),

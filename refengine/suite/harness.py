@@ -33,7 +33,8 @@ from ..strategies.schedules import blocks_for
 REPRO_DIR_VAR = "REFENGINE_REPRO_DIR"
 MEMO_SIZE = 2048
 COVERAGE = ("batch size > 1", "mixed prefill+decode step", "preemption", "abort", "chunked prefill",
-            "prefill before a decode", "partial prefill not last", "logprobs requested", "prompt logprobs requested")
+            "prefill before a decode", "partial prefill not last", "logprobs requested", "prompt logprobs requested",
+            "draft rejected", "every draft accepted")
 
 
 # What the engine properties draw (the fault-catalog tests hunt with the same strategies).
@@ -120,6 +121,11 @@ def coverage(schedule: dict, trace: list[dict]) -> set[str]:
             seen.add("prefill before a decode")  # scheduling orders other than fcfs reach the runner
         if any(c["phase"] == "prefill" and c["num_tokens"] < prompt_len[c["id"]] for c in chunks[:-1]):
             seen.add("partial prefill not last")
+        drafted = [c for c in chunks if c.get("draft")]
+        if any(c["accepted"] < c["draft"] for c in drafted):
+            seen.add("draft rejected")
+        if any(c["accepted"] == c["draft"] for c in drafted):
+            seen.add("every draft accepted")
     return seen
 
 
@@ -168,6 +174,8 @@ def check(name: str, model_name: str, schedule: dict, against: str = "serial", o
           fault: str | None = None, on_events=None) -> ReplayResult:
     """Properties 1-4: replay `schedule` and judge every request against `against` (refengine.replay)."""
     schedule = resolve_continuations(model_name, schedule)
+    if other_budget is not None:  # a verifying decode runs whole: no budget below it
+        other_budget = max(other_budget, 1 + schedule["engine"].get("num_speculative_tokens", 0))
     model = tiny_model(model_name)
     needs_calibration = schedule["engine"]["mode"] == "fast" or against == "reference"
     result = replay(model, parse_schedule(schedule, name), against=against, other_budget=other_budget, fault=fault,

@@ -20,6 +20,7 @@ from ..strategies.models import DEFAULT_MODEL
 from .corners import corners
 from .harness import PropertyFailure, any_mode_schedules, check, greedy_schedules, invariant_schedules, other_budgets
 from .test_finish import check_finish, finish_schedules
+from .test_speculation import speculating_schedules
 
 MAX_SHRUNK_REQUESTS = 3  # what the catalog promises a hunt shrinks a failure to
 
@@ -50,6 +51,10 @@ HUNTS = {
     "finish-semantics": (
         st.tuples(tiny_model_names(), finish_schedules()),
         lambda example, fault: check_finish("finish-semantics", *example, fault=fault)),
+    "speculation-changes-no-greedy-answer": (
+        st.tuples(tiny_model_names(), speculating_schedules),
+        lambda example, fault: check("speculation-changes-no-greedy-answer", *example, against="unspeculated",
+                                     fault=fault)),
     "prefix-caching-is-exact": (
         st.tuples(tiny_model_names(), shared_prefix_schedules("invariant", scoring=None)),
         lambda example, fault: check("prefix-caching-is-exact", *example, fault=fault)),
@@ -98,6 +103,11 @@ CAUGHT_BY = {
     "fork-before-prefill-done": "invariant-mode-is-exact",
     "last-admission-slot-unused": "invariant-mode-is-exact",
     "preempted-requeued-last": "invariant-mode-is-exact",
+    "bonus-token-duplicated": "speculation-changes-no-greedy-answer",
+    "draft-compared-one-row-late": "speculation-changes-no-greedy-answer",
+    "rejected-draft-blocks-kept": "speculation-changes-no-greedy-answer",
+    "rejection-resamples-target": "speculative-sampling-distribution",  # not schedule-shaped: tests/test_speculation.py
+    "draft-positions-off-on-join": "invariant-mode-is-exact",
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached":
@@ -107,7 +117,8 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
                          "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else",
                          "last-admission-slot-unused": "no progress",
-                         "preempted-requeued-last": "scheduling policy"}
+                         "preempted-requeued-last": "scheduling policy",
+                         "bonus-token-duplicated": "speculative decoding: step"}
 
 
 def corner_examples(prop: str) -> list[tuple]:

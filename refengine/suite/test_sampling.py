@@ -143,12 +143,15 @@ def first_token_rows(model_name: str = DEFAULT_MODEL):
 
 
 def check_first_token_distribution(sampler: dict, fault: str | None = None, model_name: str = DEFAULT_MODEL,
-                                   draws: int = DRAWS, alpha: float = ALPHA, repeats: bool = False):
+                                   draws: int = DRAWS, alpha: float = ALPHA, repeats: bool = False,
+                                   draft_rank: int | None = None):
     """The engine's first-token draws under seeds 0..draws-1 against the oracle's target (see module).
     A sampler may carry logits processors (PROCESSED_SAMPLERS); with `repeats`, the draw is judged as if
     the request had already generated its row's two likeliest tokens, the first of them twice (so the
     frequency and presence penalties have counts to act on): the engine's own per-request rows
-    (engine/penalties.py) against reference.adjusted_logits."""
+    (engine/penalties.py) against reference.adjusted_logits. With `draft_rank` the row verifies a draft
+    token, the reference row's likeliest but `draft_rank` (speculative decoding, engine.verify_token):
+    what it emits must have the same distribution."""
     prompt, row, want = first_token_rows(model_name)
     model = tiny_model(model_name)
     engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1, max_model_len=64, fault=fault))
@@ -160,11 +163,16 @@ def check_first_token_distribution(sampler: dict, fault: str | None = None, mode
         engine.penalties.add(seq)
         row = engine.penalties.apply([seq], row[None])[0]
         want = adjusted_logits(want, prompt, generated, params, model.config.eos_token_ids)
-    tokens = [engine.choose_token(row, replace(params, seed=seed), len(generated)) for seed in range(draws)]
+    if draft_rank is None:
+        tokens = [engine.choose_token(row, replace(params, seed=seed), len(generated)) for seed in range(draws)]
+    else:
+        draft = int(np.argsort(-want, kind="stable")[draft_rank])
+        tokens = [engine.verify_token(row, replace(params, seed=seed), len(generated), draft) for seed in range(draws)]
     target = nucleus(want, sampler["temperature"], sampler.get("top_k", 0), sampler.get("top_p", 1.0)).probs
     fit = goodness_of_fit(tokens, target)
     if not fit.passed(alpha):
-        after = f" after {generated}" if generated else ""
+        after = (f" after {generated}" if generated else "") + \
+            (f", verifying draft token {draft}" if draft_rank is not None else "")
         faulty = f" (fault {fault})" if fault else ""
         raise PropertyFailure(f"{DISTRIBUTION} does not hold on model {model_name}{faulty}"
                               f": {draws} draws of prompt {prompt}{after} with {sampler} (seeds 0..{draws - 1}) "

@@ -2,7 +2,9 @@
 
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
 engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
-chunks: fcfs, prefill-first, shuffled), with prefix caching on or off; an added request may start
+chunks: fcfs, prefill-first, shuffled), with prefix caching on or off, speculating 0-3 draft tokens by
+prompt lookup (the tiny models' answers repeat themselves: drafts are found, accepted and rejected); an
+added request may start
 with an earlier one's first tokens, may carry a cache_salt, may ask for 2 or 3 answers (n: children
 forking a sibling's prompt blocks) and for its prompt's logprobs (no cache hits while it scores them).
 After every rule: the KV accounting adds up (free + used = total, refcounts = owners, finished and
@@ -17,9 +19,11 @@ block held by several sequences is a registered one or a full block of the promp
 each running sequence holds
 exactly the blocks its computed tokens need (LLMEngine.check_invariants: and only running sequences
 hold penalty rows); a step never exceeds max_num_batched_tokens or
-max_num_seqs; a step with work to do schedules something; under prefill-first no prefill chunk
+max_num_seqs; a step with work to do schedules something; a running request is left out of a step only
+when the budget is spent (or too little is left to verify its drafts whole); under prefill-first no prefill chunk
 follows a decode. At the end every request finishes, every block is free, and the run kept the
-scheduler's policy (check.policy: admissions, preemptions, running order). A failure writes the
+scheduler's policy (check.policy: admissions, preemptions, running order), and each verifying decode
+gave its request what it accepted (check.speculation). A failure writes the
 rules so far as a schedule (arrival and abort steps) to
 $REFENGINE_REPRO_DIR/scheduler-kv-state-machine.json, which `refengine replay` re-runs.
 """
@@ -36,6 +40,7 @@ from hypothesis.stateful import (
 from ..check.driver import STEP_ALLOWANCE
 from ..check.policy import policy_problems
 from ..check.schedule import parse_schedule
+from ..check.speculation import speculation_problems
 from ..engine import EngineConfig, LLMEngine
 from ..engine.block_manager import block_hashes, salt_root
 from ..sampling import SamplingParams
@@ -54,11 +59,12 @@ class SchedulerKVMachine(RuleBasedStateMachine):
 
     @initialize(max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), block_size=st.integers(1, 8),
                 num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), policy=scheduling_policies(),
-                caching=st.booleans(), data=st.data())
-    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, policy, caching, data):
+                caching=st.booleans(), speculative=st.integers(0, 3), data=st.data())
+    def start(self, max_num_seqs, budget, block_size, num_blocks, first_requests, policy, caching, speculative, data):
         settings = {"mode": "fast", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
                     "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128,
-                    "scheduling_policy": policy[0], "scheduling_seed": policy[1], "enable_prefix_caching": caching}
+                    "scheduling_policy": policy[0], "scheduling_seed": policy[1], "enable_prefix_caching": caching,
+                    "num_speculative_tokens": min(speculative, budget - 1)}
         self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
         self.evicted: set[int] = set()  # the registered blocks the engine evicted (unregistered) in the last step
         self.engine.block_manager._evict = self.observed(self.engine.block_manager)
@@ -149,7 +155,8 @@ class SchedulerKVMachine(RuleBasedStateMachine):
                    f"step {entry['step']} scheduled an empty chunk: {entry['scheduled']}")
         ids = {c["id"] for c in entry["scheduled"]}
         skipped = [r for r in running_before if r not in ids and r not in entry["preempted"]]
-        self.check(scheduled == config.max_num_batched_tokens or not skipped,
+        # a verifying decode waits where the budget left cannot hold it whole
+        self.check(config.max_num_batched_tokens - scheduled < 1 + config.num_speculative_tokens or not skipped,
                    f"step {entry['step']} left running {skipped} unscheduled with {scheduled} of "
                    f"{config.max_num_batched_tokens} tokens used")
         for request_id in entry["preempted"]:
@@ -233,6 +240,8 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         observe(self.schedule, self.engine.trace)
         problems = policy_problems(parse_schedule(self.schedule, NAME), self.engine.outputs(), self.engine.trace)
         self.check(not problems, "scheduling policy: " + "; ".join(problems))
+        problems = speculation_problems(self.engine.outputs(), self.engine.trace, self.engine.status())
+        self.check(not problems, "speculative decoding: " + "; ".join(problems))
         used = self.engine.block_manager.num_used_blocks
         self.check(used == 0, f"every request finished but {used} KV blocks are still in use")
 

@@ -91,6 +91,18 @@ def refused_variants(alone_records: list[dict]) -> dict[tuple[str, str], str]:
             if r.get("variant") and r["verdict"] == "error" and r.get("status") in REFUSAL_STATUSES}
 
 
+def _alone_server(endpoint: Endpoint, served_name: str, dialect: Dialect, settings: Settings,
+                  draft: list[Planned]) -> tuple[Endpoint, str, Dialect]:
+    """Where the alone answers come from: the server under test, or --baseline-url's (its own model name
+    and dialect, probed as the server's)."""
+    if settings.baseline_url is None:
+        return endpoint, served_name, dialect
+    other = Endpoint(settings.baseline_url, settings.timeout)
+    name, other_dialect = served_model(other)["id"], Dialect()
+    probe(other, probe_bodies(draft, name), other_dialect)
+    return other, name, other_dialect
+
+
 def send_alone(endpoint: Endpoint, planned: list[Planned], served_name: str,
                dialect: Dialect | None, golden: GoldenBaseline | None = None) -> tuple[_Alone, list]:
     """Each (case, api) of the plan once, whole, one at a time: nothing else in flight. A variant the
@@ -141,7 +153,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     except (OSError, ServerError):
         drain_baseline = None
     golden = GoldenBaseline(cases.golden, tolerance) if settings.baseline == "golden" else None
-    kept, alone_records = send_alone(endpoint, draft, served["id"], dialect, golden)
+    alone_endpoint, alone_name, alone_dialect = _alone_server(endpoint, served["id"], dialect, settings, draft)
+    kept, alone_records = send_alone(alone_endpoint, draft, alone_name, alone_dialect, golden)
     refused = refused_variants(alone_records)  # sent as their case: its answer alone is among alone_records
     failed = {(r["case"], r["api"]): r["error"] for r in alone_records if r["verdict"] == "error"}
     serial = SerialBaseline(kept.answers, bounds.batching, failed, margins)
@@ -191,7 +204,8 @@ def validate(url: str, cases: Cases, settings: Settings, planned: list[Planned] 
     else:
         verdict = "PASS" if load["proven"] or spread_from == "repro" else "INCONCLUSIVE"  # a repro is as found
     return {
-        "validate": 1, "url": url, "baseline": settings.baseline, "source": str(cases.path),
+        "validate": 1, "url": url, "baseline": settings.baseline, "baseline_url": settings.baseline_url,
+        "source": str(cases.path),
         "golden": str(cases.golden.path) if cases.golden else None,
         "model_fingerprint": cases.golden.fingerprint if cases.golden else None,
         "server": {"model": served["id"], "fingerprint": served.get("fingerprint")},

@@ -37,6 +37,9 @@ class Settings:
     precision: str = "auto"               # the server's: f32 | bf16 | fp16 | auto (validate.bounds)
     batch_invariant: bool = False         # hold loaded answers to their alone answers bit for bit
     variant_rate: float = 0.25            # share of requests sent as a variant of their case (validate.variants)
+    # the serial baseline's server: each case's answer alone from another server (the same model served
+    # another way: speculation off, another build); None: the server under test's own
+    baseline_url: str | None = None
 
     def __post_init__(self):
         if self.concurrency < 1:
@@ -55,6 +58,9 @@ class Settings:
             raise RefengineError(f"timeout: must be > 0 seconds, got {self.timeout}")
         if not 0 <= self.variant_rate <= 1:
             raise RefengineError(f"variant_rate: must be in [0, 1], got {self.variant_rate}")
+        if self.baseline_url is not None and self.baseline != "serial":
+            raise RefengineError(f"baseline_url: the alone answers of another server are the serial baseline; "
+                                 f"the {self.baseline} baseline has its own")
         if self.baseline not in BASELINES:
             raise RefengineError(f"baseline: expected one of {', '.join(BASELINES)}, got {self.baseline!r}")
 

@@ -1,0 +1,60 @@
+"""Property 11: speculative decoding changes no answer.
+
+An engine that speculates (prompt lookup, 1-4 draft tokens, engine/drafter.py) verifies each decode's
+drafts in the step's batched forward and keeps the longest run the target agrees with. What it must
+give back is what it would give without speculating:
+- greedy: every request batched with speculation on equals the same request alone with speculation off:
+  in invariant mode bit for bit, token ids and each token's logits (a verification row is attended row
+  by row, in either mode: it is the row a decode of that prefix computes), in fast mode within the
+  calibrated noise (which fast mode's batching, its prefill chunks attended whole, adds). The schedules
+  are the suite's, greedy only, with speculation forced on.
+- seeded sampling: a verification row emits the draft with probability p(draft), else a draw from the
+  residual; what it emits must be distributed as the target: for each sampler, the first-token draws of
+  seeds 0..DRAWS-1 verifying the row's likeliest token (and, for the top-k 2 samplers, its second) fit
+  the float64 target (the sampling-distribution property's test, through engine.verify_token).
+- every speculating run, in every property (check.replay): what each verifying decode says it
+  accepted is what its request received, and the engine's counters sum the same (check.speculation).
+Batched == alone with speculation on is invariant-mode-is-exact's, whose engine settings speculate in
+half the examples.
+"""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ..strategies import SAMPLERS, schedules, tiny_model_names
+from ..strategies.engine_settings import MODES
+from ..strategies.models import VOCAB_SIZE
+from .corners import with_corners
+from .harness import check
+from .test_sampling import check_first_token_distribution
+
+pytestmark = pytest.mark.invariants
+
+
+def speculating(schedule: dict, k: int) -> dict:
+    """`schedule` with k draft tokens per decode, its budget raised to hold a verifying decode whole."""
+    engine = schedule["engine"]
+    return {**schedule, "engine": {**engine, "num_speculative_tokens": k,
+                                   "max_num_batched_tokens": max(engine["max_num_batched_tokens"], 1 + k)}}
+
+
+speculating_schedules = st.builds(
+    speculating, st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode, allow_seeded=False)),
+    st.integers(1, 4))
+
+
+@with_corners("speculation-changes-no-greedy-answer")
+@given(model=tiny_model_names(), schedule=speculating_schedules)
+def test_speculation_changes_no_greedy_answer(model, schedule):
+    check("speculation-changes-no-greedy-answer", model, schedule, against="unspeculated")
+
+
+# every sampler with the likeliest token as the draft; the second likeliest where top-k 2 leaves it likely
+VERIFIED = [(s, 0) for s in SAMPLERS] + [(s, 1) for s in SAMPLERS if s["top_k"] == 2]
+
+
+@pytest.mark.parametrize("sampler, draft_rank", VERIFIED,
+                         ids=lambda v: "T{temperature}-k{top_k}-p{top_p}".format(**v) if isinstance(v, dict) else
+                         f"draft{v}")
+def test_a_verified_token_is_distributed_as_the_target(sampler, draft_rank):
+    check_first_token_distribution(sampler, draft_rank=draft_rank)

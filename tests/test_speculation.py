@@ -1,0 +1,332 @@
+"""Speculative decoding by prompt lookup (EngineConfig.num_speculative_tokens): the drafter, the
+verification rule, the KV rollback, the acceptance account (check.speculation, each rule shown failing
+on a hand-made trace), the catalogued faults the properties must catch, and the server's flag and
+metrics."""
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from refengine.check.driver import run_batched
+from refengine.check.replay import replay
+from refengine.check.sampling_oracle import goodness_of_fit
+from refengine.check.schedule import parse_schedule
+from refengine.check.speculation import speculation_problems
+from refengine.cli import main
+from refengine.engine import EngineConfig, LLMEngine
+from refengine.engine.block_manager import BlockManager, BlockTable
+from refengine.engine.drafter import prompt_lookup
+from refengine.errors import RefengineError
+from refengine.sampling import SamplingParams, sampling_distribution, verify_draft
+from refengine.strategies import DEFAULT_MODEL, SAMPLERS, tiny_model
+from refengine.suite.harness import PropertyFailure
+from refengine.suite.test_sampling import check_first_token_distribution
+
+LOOPING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # prompt lookup proposes 7, 8, 5, ... after it
+
+
+def schedule_of(requests: list[dict], k: int = 3, mode: str = "invariant", **engine) -> dict:
+    return {"engine": {"mode": mode, "max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4,
+                       "num_blocks": 64, "max_model_len": 128, "num_speculative_tokens": k, **engine},
+            "requests": requests}
+
+
+def request(rid: str, prompt: list[int], arrival: int = 0, **fields) -> dict:
+    return {"id": rid, "prompt_ids": prompt, "max_tokens": 12, "ignore_eos": True, "arrival_step": arrival, **fields}
+
+
+def run(schedule: dict, fault: str | None = None):
+    parsed = parse_schedule(schedule, "test")
+    engine, failure = run_batched(tiny_model(DEFAULT_MODEL), parsed, replace(parsed.engine, fault=fault))
+    return parsed, engine, failure
+
+
+# ---- the drafter -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, k, want", [
+    (LOOPING, 3, [7, 8, 5]),              # the 3-gram (8, 5, 6) recurs at position 3: what followed it
+    (LOOPING, 9, [7, 8, 5, 6]),           # up to the end of the tokens, no further
+    ([1, 2, 3, 9, 2, 3], 2, [9, 2]),      # (9, 2, 3) does not recur, (2, 3) does
+    ([4] * 8, 3, [4, 4, 4]),              # the earliest occurrence: the most tokens after it
+    ([1, 2, 3, 4], 3, []),                # nothing recurs
+    ([7], 3, []),
+])
+def test_prompt_lookup_proposes_what_followed_the_longest_recurring_suffix(tokens, k, want):
+    assert prompt_lookup(tokens, k, 1, 3) == want
+
+
+def test_prompt_lookup_needs_at_least_min_n_matching_tokens():
+    assert prompt_lookup([1, 2, 3, 9, 2, 3], 2, 3, 3) == []
+    assert prompt_lookup([1, 2, 3, 9, 2, 3], 2, 2, 2) == [9, 2]
+
+
+# ---- the verification rule -------------------------------------------------------------------------
+
+def test_greedy_verification_emits_the_argmax_whatever_the_draft():
+    row = np.array([0.5, 3.0, 2.9, -1.0], dtype=np.float32)
+    greedy = SamplingParams()
+    assert [verify_draft(row, greedy, 0, draft) for draft in range(4)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("sampler", [SAMPLERS[0], SAMPLERS[4], {"temperature": 0.7, "top_k": 3, "top_p": 0.8}])
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_verified_tokens_are_distributed_as_the_target_and_accept_the_draft_with_its_probability(sampler, rank):
+    """Leviathan's rule with a certain draft: the draft comes out with probability p(draft), every other
+    token with p(token); 4000 seeds against p itself, and the draft's share within 4 sigma of p(draft)."""
+    row = np.random.default_rng(rank).normal(0, 1.5, 64).astype(np.float32)
+    params = SamplingParams(**sampler, seed=0)
+    ids, probs = sampling_distribution(row, params)
+    ids = ids[:len(probs)]
+    draft = int(ids[min(rank, len(ids) - 1)])
+    tokens = [verify_draft(row, replace(params, seed=seed), 5, draft) for seed in range(4000)]
+    target = np.zeros(64)
+    target[ids] = probs
+    assert goodness_of_fit(tokens, target).passed(1e-6)
+    share, p = tokens.count(draft) / 4000, float(target[draft])
+    assert abs(share - p) <= 4 * np.sqrt(p * (1 - p) / 4000) + 1e-12
+
+
+def test_a_draft_outside_the_support_is_never_emitted():
+    row = np.array([4.0, 3.0, -9.0, 2.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=2, seed=0)
+    assert 2 not in {verify_draft(row, replace(params, seed=s), 0, 2) for s in range(500)}
+
+
+def test_resampling_the_target_on_rejection_is_caught_by_the_distribution_property():
+    """rejection-resamples-target: every token still in the support, the draft too likely. The
+    shipped property's check fails it, for the likeliest token as the draft as for the second (on a
+    sampler that leaves both likely; a flat one hides the second's excess)."""
+    sampler = {"temperature": 1.0, "top_k": 2, "top_p": 1.0}
+    for rank in (0, 1):
+        check_first_token_distribution(sampler, draft_rank=rank)
+        with pytest.raises(PropertyFailure, match="verifying draft token"):
+            check_first_token_distribution(sampler, fault="rejection-resamples-target", draft_rank=rank)
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+def test_greedy_answers_and_logits_equal_the_unspeculated_engine(mode):
+    schedule = schedule_of([request("r0", LOOPING), request("r1", [9, 10, 11, 12], 1),
+                            request("r2", [20, 21, 20, 21, 20], 2, max_tokens=9)], mode=mode)
+    parsed, engine, failure = run(schedule)
+    assert failure is None
+    off, _ = run_batched(tiny_model(DEFAULT_MODEL), parsed, replace(parsed.engine, num_speculative_tokens=0))
+    status = engine.status()
+    assert status["spec_decode_draft_tokens"] > status["spec_decode_accepted_tokens"] > 0  # some rejected
+    assert engine.num_steps < off.num_steps
+    for rid, out in off.outputs().items():
+        assert engine.output(rid).token_ids == out.token_ids
+        if mode == "invariant":
+            assert [s.logits_sha256 for s in engine.output(rid).steps] == [s.logits_sha256 for s in out.steps]
+
+
+def test_rejected_drafts_give_their_blocks_back_and_the_pool_ends_empty():
+    schedule = schedule_of([request("r0", LOOPING, max_tokens=20), request("r1", [1, 2, 3, 1, 2], 0)], k=4,
+                           block_size=1)
+    parsed, engine, failure = run(schedule)  # run_batched checks the KV accounting after every step
+    assert failure is None and engine.block_manager.num_used_blocks == 0
+    assert any(c.get("draft", 0) > c.get("accepted", 0) for e in engine.trace for c in e["scheduled"])
+
+
+def test_trim_gives_back_the_blocks_past_the_tokens_kept():
+    manager = BlockManager(8, 4)
+    table = BlockTable("r0")
+    manager.allocate(table, 13)
+    kept = table.block_ids[:2]
+    manager.trim(table, 5)
+    assert table.block_ids == kept and manager.num_free_blocks == 6
+    manager.trim(table, 8)
+    assert table.block_ids == kept
+
+
+def test_a_decode_that_cannot_verify_whole_waits_and_nothing_is_admitted_past_it():
+    """Budget 4 and three draft tokens: r1's prefill fills the step, r0's verifying decode (4 tokens)
+    waits for the next step instead of running without its drafts, and r2 is not admitted past it."""
+    schedule = schedule_of([request("r0", LOOPING), request("r1", [1, 2, 3], 1), request("r2", [3, 4], 1)],
+                           max_num_batched_tokens=4)
+    parsed, engine, failure = run(schedule)
+    assert failure is None
+    for entry in engine.trace:
+        assert sum(c["num_tokens"] for c in entry["scheduled"]) <= 4
+        assert all(c["num_tokens"] == 1 + c["draft"] for c in entry["scheduled"] if "draft" in c)
+    assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
+
+
+def test_a_request_with_logits_processors_does_not_speculate():
+    schedule = schedule_of([request("r0", LOOPING, repetition_penalty=1.3), request("r1", LOOPING)])
+    parsed, engine, failure = run(schedule)
+    assert failure is None
+    ran = {c["id"]: c for e in engine.trace for c in e["scheduled"] if c["phase"] == "decode"}
+    assert "draft" not in ran["r0"] and "draft" in ran["r1"]
+
+
+@pytest.mark.parametrize("k, budget, field", [(-1, 64, "num_speculative_tokens"), (True, 64, "num_speculative_tokens"),
+                                              (4, 4, "max_num_batched_tokens")])
+def test_bad_speculation_settings_name_the_field(k, budget, field):
+    with pytest.raises(RefengineError, match=f"^{field}:"):
+        EngineConfig(num_speculative_tokens=k, max_num_batched_tokens=budget)
+    with pytest.raises(RefengineError, match="^prompt_lookup_min:"):
+        EngineConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_settings_carry_the_speculation_keys_only_when_it_is_on():
+    assert "num_speculative_tokens" not in EngineConfig().settings()
+    assert EngineConfig(num_speculative_tokens=2).settings()["num_speculative_tokens"] == 2
+
+
+# ---- the acceptance account ------------------------------------------------------------------------
+
+def _account(chunks: list[dict], tokens: dict[str, list[int]], status: dict, finish_step=None):
+    trace = [{"step": 0, "scheduled": chunks}]
+    outputs = {rid: SimpleNamespace(steps=[SimpleNamespace(step=s) for s in steps], finish_step=finish_step)
+               for rid, steps in tokens.items()}
+    return speculation_problems(outputs, trace, status)
+
+
+def _status(drafts, draft_tokens, accepted, per_position):
+    return {"spec_decode_drafts": drafts, "spec_decode_draft_tokens": draft_tokens,
+            "spec_decode_accepted_tokens": accepted, "spec_decode_accepted_per_position": per_position}
+
+
+def test_the_account_of_a_clean_run_adds_up():
+    parsed, engine, failure = run(schedule_of([request("r0", LOOPING), request("r1", [4, 4, 4, 4], 1)]))
+    assert failure is None
+    assert speculation_problems(engine.outputs(), engine.trace, engine.status()) == []
+
+
+@pytest.mark.parametrize("chunk, received, status, finish_step, problem", [
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 2, _status(1, 2, 1, [1, 0]), None, None),
+    ({"num_tokens": 3, "draft": 2, "accepted": 2}, 2, _status(1, 2, 2, [1, 1, 0]), 0, None),  # ended on a draft
+    ({"num_tokens": 1, "draft": 0, "accepted": 0}, 1, _status(0, 0, 0, [0]), None, None),  # nothing proposed
+    ({"num_tokens": 2, "draft": 2, "accepted": 1}, 2, _status(1, 2, 1, [1, 0]), None, "fed 2 tokens"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 3}, 4, _status(1, 2, 3, [1, 1, 1]), None, "accepted 3 of 2"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 2}, 4, _status(1, 2, 2, [1, 1]), None, "received 4 tokens"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 1, _status(1, 2, 1, [1, 0]), None, "received 1 tokens"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 2}, 2, _status(1, 2, 2, [1, 1]), None, "received 2 tokens"),
+    ({"num_tokens": 1, "draft": 0, "accepted": 0}, 0, _status(0, 0, 0, [0]), 0, "received 0 tokens"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 2, _status(2, 2, 1, [1, 0]), None, "counters: drafts"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 2, _status(1, 3, 1, [1, 0]), None, "counters: drafts"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 2, _status(1, 2, 2, [1, 0]), None, "counters: drafts"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 1}, 2, _status(1, 2, 1, [0, 1]), None, "accepted per position"),
+    ({"num_tokens": 3, "draft": 2, "accepted": 2}, 3, _status(1, 2, 2, [1]), None, "accepted per position"),
+])
+def test_each_rule_of_the_account(chunk, received, status, finish_step, problem):
+    problems = _account([{"id": "r0", "phase": "decode", "start": 9, **chunk}], {"r0": [0] * received}, status,
+                        finish_step)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
+
+
+# ---- the catalogued faults -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault, against, failure", [
+    ("bonus-token-duplicated", "serial", "speculative decoding: step"),
+    ("draft-compared-one-row-late", "unspeculated", None),
+    ("rejected-draft-blocks-kept", "serial", "after step"),  # the KV accounting, checked after every step
+    ("draft-positions-off-on-join", "serial", None),
+])
+def test_each_fault_fails_a_small_schedule_and_the_clean_engine_passes_it(fault, against, failure):
+    schedule = parse_schedule(schedule_of([request("r0", LOOPING), request("r1", [20, 21, 20, 21, 20], 1)]), "t")
+    model = tiny_model(DEFAULT_MODEL)
+    assert replay(model, schedule, against=against).passed
+    result = replay(model, schedule, against=against, fault=fault)
+    assert not result.passed
+    if failure is None:
+        assert result.divergences and result.engine_failure is None
+    else:
+        assert failure in (result.engine_failure or ""), result.engine_failure
+
+
+# ---- the server ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["ngram", "ngram:0", "draft:/models/x:3", "ngram:two"])
+def test_serve_refuses_a_bad_speculative_flag_in_one_line(spec, capsys):
+    assert main(["serve", "--port", "0", "--speculative", spec]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--speculative" in err
+
+
+def test_a_speculating_server_streams_the_unspeculated_answers_and_counts_its_drafts(tiny_model):
+    """Three greedy completions at once, one streamed, from a server speculating 3 tokens: each the
+    unspeculated engine's answer alone, one SSE event per token; /metrics counts the drafts under vLLM's
+    names, and its accepted tokens per position add up to the accepted tokens."""
+    import http.client
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from refengine.serve.server import OpenAIServer
+
+    prompts = [LOOPING, [20, 21, 20, 21, 20], [9, 10, 11, 12, 9, 10]]
+    server = OpenAIServer(tiny_model, EngineConfig(mode="invariant", num_speculative_tokens=3))
+    server.start()
+
+    def post(prompt, stream):
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                                                            "stream": stream}),
+                     {"Content-Type": "application/json"})
+        raw = conn.getresponse().read()
+        conn.close()
+        if not stream:
+            return json.loads(raw)["choices"][0]["token_ids"]
+        events = [json.loads(f[6:]) for f in raw.decode().split("\n\n") if f.startswith("data: {")]
+        assert all(len(e["choices"][0]["token_ids"]) == 1 for e in events if e["choices"])
+        return [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, prompts, [False, True, False]))
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+    finally:
+        server.close()
+    for prompt, answer in zip(prompts, answers):
+        alone = LLMEngine(tiny_model, EngineConfig(mode="invariant", max_num_seqs=1))
+        alone.add_request("r", prompt, params=SamplingParams(max_tokens=12, ignore_eos=True))
+        assert answer == alone.run()["r"].token_ids
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["vllm:spec_decode_num_drafts_total", None] > 0
+    assert samples["vllm:spec_decode_num_draft_tokens_total", None] >= samples[
+        "vllm:spec_decode_num_accepted_tokens_total", None] > 0
+    assert sum(samples["vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p)] for p in range(3)) == \
+        samples["vllm:spec_decode_num_accepted_tokens_total", None]
+
+
+def test_against_the_unspeculated_engine_a_seeded_request_is_skipped_not_compared():
+    """Under speculation a seeded request draws other tokens from the same distribution (the verified
+    token's property holds it to that): here its answer differs from the unspeculated one, and the
+    baseline skips it while it judges the greedy request beside it."""
+    sampled = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    parsed = parse_schedule(schedule_of([request("r0", LOOPING), request("r1", [4] * 8, sampling=sampled)]), "t")
+    result = replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated")
+    off, _ = run_batched(tiny_model(DEFAULT_MODEL), parsed, replace(parsed.engine, num_speculative_tokens=0))
+    assert result.outputs["r1"].token_ids != off.output("r1").token_ids
+    assert result.passed and {rid: v.kind for rid, v in result.verdicts.items()} == {"r0": "match", "r1": "skipped"}
+
+
+def test_the_bench_runs_plain_and_speculating_engines_on_a_repetitive_workload():
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "refengine", "bench", "--scenario", "speculation", "--requests", "2",
+                           "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    batches = json.loads(done.stdout)["speculation"]["batches"]
+    assert set(batches) == {"1", "2"}
+    for batch, data in batches.items():
+        plain, spec = data["plain"], data["speculating"]
+        assert data["same_answers"] and plain["tokens_per_step"] == int(batch)  # one token per request and step
+        assert spec["accepted_tokens"] > 0 and spec["tokens_per_step"] > plain["tokens_per_step"]
+        assert spec["decode_tokens"] == plain["decode_tokens"]  # the same answers, so the same first tokens left
+        assert data["speedup"] == spec["decode_tok_s"] / plain["decode_tok_s"]
