@@ -201,6 +201,23 @@ def _llama_cpp(llama: dict, workload: dict) -> list[str]:
                          "same greedy answers"], rows)
 
 
+def _speculation(spec: dict) -> list[str]:
+    out = ["## Speculative decoding", "",
+           f"Prompts of a {spec['phrase_tokens']}-token phrase said {spec['repeats']} times, greedy, fast mode, "
+           f"prompt lookup of {spec['num_speculative_tokens']} tokens; an engine speculating and one not, stepping "
+           f"in turn. Tokens per second over each engine's decode-only steps; the prediction is the same ratio on "
+           f"the roofline of the steps each took.", ""]
+    rows = []
+    for batch, data in spec["batches"].items():
+        plain, fast = data["plain"], data["speculating"]
+        accepted = fast["accepted_tokens"] / fast["draft_tokens"] if fast["draft_tokens"] else 0.0
+        rows.append([batch, f"{plain['decode_tok_s']:.1f}", f"{fast['decode_tok_s']:.1f}",
+                     f"{fast['tokens_per_step'] / int(batch):.2f}", f"{accepted:.0%}", f"{data['speedup']:.2f}",
+                     f"{data['predicted_speedup']:.2f}", "yes" if data["same_answers"] else "**no**"])
+    return out + _table(["batch", "plain tok/s", "speculating tok/s", "tokens per request and step",
+                         "draft tokens accepted", "speed-up", "predicted", "same answers"], rows)
+
+
 def _json_report(report: dict) -> list[str]:
     machine = report["machine"]
     out = [f"Model `{Path(report['model']).name}`: {report['parameters']:,} streamed parameters, "
@@ -227,6 +244,8 @@ def _json_report(report: dict) -> list[str]:
         out += _faults(report["faults"])
     if "llama_cpp" in report:
         out += _llama_cpp(report["llama_cpp"], workload)
+    if "speculation" in report:
+        out += _speculation(report["speculation"])
     return out
 
 
