@@ -58,10 +58,12 @@ CORNERS = {  # property -> {situation: schedule}
             {"id": "r1", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 6}]},
     },
     "speculation-changes-no-greedy-answer": {
-        # a prompt that repeats itself: drafts all accepted, and rejected, on block edges
-        "drafts-accepted-and-rejected": {"engine": _engine(block_size=2, num_blocks=16, num_speculative_tokens=3),
+        # prompts that repeat themselves: r0's drafts all accepted, r1's three drafts one accepted, on one-token
+        # blocks (the rejected ones held blocks of their own)
+        "drafts-accepted-and-rejected": {"engine": _engine(block_size=1, num_blocks=40, num_speculative_tokens=3),
                                          "requests": [
-            {"id": "r0", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 8}]},
+            {"id": "r0", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 8},
+            {"id": "r1", "prompt_ids": [4] * 8, "arrival_step": 0, "max_tokens": 8}]},
     },
     "prefix-caching-is-exact": {
         "hit-on-a-running-prompt": {"engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True),
