@@ -87,13 +87,13 @@ def long_golden(tiny_model, tmp_path_factory):
 
 
 def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lambda schedule: True,
-         golden=None, engine=None, **server_settings):
+         golden=None, engine=None, alone_url=None, **server_settings):
     """Hunt `fault` on a faulty in-process server with property `check` (dev profile's example budget,
     derandomized, no database) until a failing schedule of at most MAX_SHRUNK_REQUESTS requests for which
     `small_enough` holds (what the test asserts of the shrunk schedule): (that schedule, its
     PropertyFailure). Stopping there, not at the shrinker's end: refengine.suite.hunts.SmallEnough.
     `golden`: the cases the schedules draw (default: the tiny model's shipped golden file); `engine`: more
-    EngineConfig settings."""
+    EngineConfig settings; `alone_url`: the server whose alone answers the faulty one is held to."""
     faulty = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, fault=fault,
                                                    **(engine or {})),
                           host="127.0.0.1", **server_settings)
@@ -109,7 +109,8 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     on_faulty_server.__name__ = name
     try:
         found = http_property(on_faulty_server,
-                              connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl"))),
+                              connect(faulty.url, golden or read_golden(shipped("golden", "tiny-random.jsonl")),
+                                      alone_url=alone_url),
                               derandomize=True, database=None, report_multiple_bugs=False)
         with pytest.raises(SmallEnough) as small:
             found()
@@ -119,6 +120,22 @@ def hunt(tiny_model, fault: str, check, name: str, match: str, small_enough=lamb
     assert re.search(match, str(failure)), failure
     assert len(json.loads(failure.repro.read_text())["requests"]) == len(shrunk)
     return shrunk, failure
+
+
+def test_a_speculating_server_wrong_on_its_drafts_fails_the_speculation_property(tiny_model, tmp_path, monkeypatch):
+    """draft-compared-one-row-late, served speculating 3 tokens: wrong the same way alone, so only the
+    answers of the model served without speculation show it; shrunk to one request."""
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
+    clean = OpenAIServer(tiny_model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), host="127.0.0.1")
+    clean.start()
+    try:
+        shrunk, _ = hunt(tiny_model, "draft-compared-one-row-late", answers_equal_alone,
+                         "speculating_server_against_unspeculated", "differ from the server's own alone answers",
+                         small_enough=lambda s: len(s) == 1, engine={"num_speculative_tokens": 3},
+                         alone_url=clean.url)
+    finally:
+        clean.close()
+    assert len(shrunk) == 1
 
 
 def one_hang_up(schedule) -> bool:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from refengine.check.calibrate import calibration_for
 from refengine.check.driver import run_batched
 from refengine.check.replay import replay
 from refengine.check.sampling_oracle import goodness_of_fit
@@ -245,7 +246,7 @@ def test_each_fault_fails_a_small_schedule_and_the_clean_engine_passes_it(fault,
 
 # ---- the server ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", ["ngram", "ngram:0", "draft:/models/x:3", "ngram:two"])
+@pytest.mark.parametrize("spec", ["ngram", "ngram:0", "draft:3", "draft::3", "eagle:/models/x:3", "ngram:two"])
 def test_serve_refuses_a_bad_speculative_flag_in_one_line(spec, capsys):
     assert main(["serve", "--port", "0", "--speculative", spec]) == 2
     err = capsys.readouterr().err
@@ -330,3 +331,49 @@ def test_the_bench_runs_plain_and_speculating_engines_on_a_repetitive_workload()
         assert spec["accepted_tokens"] > 0 and spec["tokens_per_step"] > plain["tokens_per_step"]
         assert spec["decode_tokens"] == plain["decode_tokens"]  # the same answers, so the same first tokens left
         assert data["speedup"] == spec["decode_tok_s"] / plain["decode_tok_s"]
+
+
+# ---- the draft model -------------------------------------------------------------------------------
+
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted():
+    """Its greedy drafts are the target's own greedy tokens (the draft runner attends row by row, as a
+    decode): every draft token is accepted, and the answers are the unspeculated ones."""
+    from refengine.strategies.models import tiny_model_dir
+    schedule = schedule_of([request("r0", LOOPING), request("r1", [9, 10, 11, 12], 1)], k=3,
+                           speculative_model=str(tiny_model_dir(DEFAULT_MODEL)))
+    parsed, engine, failure = run(schedule)
+    status = engine.status()
+    assert failure is None and status["spec_decode_draft_tokens"] == status["spec_decode_accepted_tokens"] > 0
+    assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
+    assert engine.scheduler.drafter.blocks.num_used_blocks == 0 and not engine.scheduler.drafter.tables
+
+
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+def test_another_draft_model_preempted_with_its_request_changes_no_answer(mode):
+    """A draft model of another architecture proposes drafts the target partly rejects; on a pool of 26
+    one-token blocks the requests preempt each other, and the draft model's KV goes with theirs."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    schedule = schedule_of([request("r0", LOOPING), request("r1", [4] * 8), request("r2", [20, 21, 20], 1)], k=3,
+                           mode=mode, block_size=1, num_blocks=26, speculative_model=draft_model_dir())
+    parsed, engine, failure = run(schedule)
+    status = engine.status()
+    assert failure is None and status["preemptions"] > 0
+    assert status["spec_decode_draft_tokens"] > status["spec_decode_accepted_tokens"] > 0
+    assert engine.scheduler.drafter.blocks.num_used_blocks == 0
+    model = tiny_model(DEFAULT_MODEL)
+    assert replay(model, parsed, against="unspeculated", calibration=calibration_for(model, DEFAULT_MODEL)).passed
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_naming_the_field(tmp_path):
+    from refengine.model.cache import default_model_dir
+    model = tiny_model(DEFAULT_MODEL)
+    with pytest.raises(RefengineError, match="^speculative_model: cannot load"):
+        LLMEngine(model, EngineConfig(num_speculative_tokens=2, speculative_model=str(tmp_path / "none")))
+    with pytest.raises(RefengineError, match="^speculative_model: its vocabulary"):  # tiny-chat's is not 512 ids
+        LLMEngine(model, EngineConfig(num_speculative_tokens=2, speculative_model=str(default_model_dir())))
+
+
+def test_serve_refuses_a_draft_model_it_cannot_load_in_one_line(tmp_path, capsys):
+    assert main(["serve", "--port", "0", "--speculative", f"draft:{tmp_path / 'none'}:3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "cannot load" in err and str(tmp_path / "none") in err

@@ -22,7 +22,7 @@ def run_serve(args) -> int:
                           num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                           scheduling_policy=args.scheduling_policy,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          num_speculative_tokens=_speculative_tokens(args.speculative), fault=fault_from(args))
+                          **_speculation(args.speculative), fault=fault_from(args))
     try:
         server = OpenAIServer(open_model(args), config, args.host, args.port, max_waiting=args.max_waiting,
                               queue_timeout=args.queue_timeout, served_name=args.served_model_name,
@@ -37,14 +37,16 @@ def run_serve(args) -> int:
     return 0
 
 
-def _speculative_tokens(spec: str | None) -> int:
-    """--speculative ngram:K -> K draft tokens by prompt lookup; none -> 0."""
+def _speculation(spec: str | None) -> dict:
+    """--speculative ngram:K (K draft tokens by prompt lookup) or draft:DIR:K (by the model in DIR) ->
+    EngineConfig's speculation fields; none -> off."""
     if spec is None:
-        return 0
-    method, _, k = spec.partition(":")
-    if method != "ngram" or not k.isdigit() or int(k) < 1:
-        raise RefengineError(f"--speculative: expected ngram:K with K >= 1 draft tokens (prompt lookup), got {spec!r}")
-    return int(k)
+        return {}
+    method, _, rest = spec.partition(":")
+    folder, _, k = rest.rpartition(":") if method == "draft" else ("", "", rest)
+    if method not in ("ngram", "draft") or not k.isdigit() or int(k) < 1 or (method == "draft") != bool(folder):
+        raise RefengineError(f"--speculative: expected ngram:K or draft:DIR:K with K >= 1 draft tokens, got {spec!r}")
+    return {"num_speculative_tokens": int(k), **({"speculative_model": folder} if folder else {})}
 
 
 def register(subparsers) -> None:
@@ -64,9 +66,10 @@ def register(subparsers) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share computed KV blocks between requests with a common prompt prefix (and the same "
                         "cache_salt), as vLLM, SGLang and llama.cpp do by default")
-    p.add_argument("--speculative", metavar="ngram:K",
-                   help="speculative decoding: up to K draft tokens per decode by prompt lookup (n-grams of the "
-                        "request's own tokens), verified in the batched forward")
+    p.add_argument("--speculative", metavar="ngram:K|draft:DIR:K",
+                   help="speculative decoding: up to K draft tokens per decode, verified in the batched forward, "
+                        "by prompt lookup (n-grams of the request's own tokens) or by the draft model in DIR (the "
+                        "same vocabulary, decoding greedily)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may queue beyond the running batch before new ones wait for a slot")
     p.add_argument("--queue-timeout", type=float, default=30.0,

@@ -28,11 +28,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"   # the order of a step's chunks (SCHEDULING_POLICIES)
     scheduling_seed: int = 0          # "shuffled": with the step number, picks each step's permutation
     enable_prefix_caching: bool = False  # share computed full KV blocks between requests (block_manager)
-    # Speculative decoding by prompt lookup (engine/drafter.py): up to this many draft tokens per decode,
-    # verified in the step's forward; 0: off. Drafts match the last prompt_lookup_max..min tokens.
+    # Speculative decoding (engine/drafter.py): up to this many draft tokens per decode, verified in the
+    # step's forward; 0: off. Drafts by prompt lookup of the last prompt_lookup_max..min tokens, or by
+    # the draft model in the folder speculative_model (the same vocabulary), decoding greedily.
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    speculative_model: str | None = None
     injected: Fault | None = field(default=None, init=False, repr=False, compare=False)  # `fault`, resolved
 
     def __post_init__(self):
@@ -56,6 +58,9 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise RefengineError(f"num_speculative_tokens: must be a non-negative integer, got {k!r}")
+        if self.speculative_model is not None and (not isinstance(self.speculative_model, str)
+                                                   or not self.speculative_model):
+            raise RefengineError(f"speculative_model: expected a model folder, got {self.speculative_model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise RefengineError(f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max "
                                  f"{self.prompt_lookup_max}")
@@ -83,4 +88,4 @@ class EngineConfig:
 
 SETTINGS = ("mode", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len", "fault",
             "scheduling_policy", "scheduling_seed", "enable_prefix_caching")
-SPECULATION_SETTINGS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SPECULATION_SETTINGS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_model")

@@ -1,12 +1,27 @@
-"""Prompt lookup: the draft tokens of speculative decoding, proposed from a request's own tokens.
+"""The draft tokens of speculative decoding: prompt lookup (no model) or a draft model.
 
-vLLM's n-gram speculator (and llama.cpp's lookup decoding): find an earlier occurrence of the last n
-tokens, longest n first, and propose the tokens that followed it. No model runs, so a draft costs
-nothing but the positions it adds to the verifying forward, and it is a function of the request's
-tokens alone: a request proposes the same drafts batched or alone, which is what lets the suite hold
-a speculating engine to "same answer as alone" (suite/test_speculation.py).
+Prompt lookup is vLLM's n-gram speculator (and llama.cpp's lookup decoding): find an earlier
+occurrence of the last n tokens, longest n first, and propose the tokens that followed it. A draft
+model is a smaller model with the same vocabulary, decoding greedily ahead of the target.
+
+Either is a function of the request's own tokens alone: the draft model runs one request at a time,
+row by row (invariant kernels), on KV of its own. So a request proposes the same drafts batched or
+alone, which is what lets the suite hold a speculating engine to "same answer as alone"
+(suite/test_speculation.py). A drafter is asked for a decode's drafts as the scheduler schedules it,
+told how many were verified, and told to forget a request that leaves the running batch.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from ..errors import RefengineError
+from ..model import Model, load_model
+from ..sampling import greedy_token
+from .block_manager import BlockManager, BlockTable
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .scheduler import ScheduledChunk
 
 
 def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -20,3 +35,84 @@ def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
             if token_ids[start:start + n] == suffix:
                 return token_ids[start + n:start + n + k]
     return []
+
+
+class PromptLookup:
+    def __init__(self, config: EngineConfig):
+        self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, seq, k: int) -> list[int]:
+        return prompt_lookup(seq.token_ids, k, *self.lookup)
+
+    def verified(self, seq, num_tokens: int) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+
+@dataclass
+class _Ahead:
+    """What the draft runner reads of a sequence: its tokens and the drafts proposed so far."""
+    token_ids: list[int]
+    block_table: BlockTable
+
+
+@functools.lru_cache(maxsize=4)
+def _draft_model(path: str) -> Model:  # loaded (and its weights packed) once per process, not per engine
+    return load_model(path)
+
+
+class DraftModel:
+    """Greedy drafts from a smaller model, on a KV pool of its own: each request's table there holds the
+    positions it has fed the draft model, `computed` of them still those of the request's tokens."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int):
+        try:
+            self.model = _draft_model(config.speculative_model)
+        except (OSError, ValueError) as e:
+            raise RefengineError(f"speculative_model: cannot load {config.speculative_model!r}: {e}") from None
+        if self.model.config.vocab_size != vocab_size:
+            raise RefengineError(f"speculative_model: its vocabulary ({self.model.config.vocab_size} ids) is not the "
+                                 f"target's ({vocab_size})")
+        # every running request's tokens and its drafts; invariant kernels whatever the target's mode, and
+        # no fault: the drafts are the request's own, whatever the batch
+        blocks = config.num_blocks + config.max_num_seqs * -(-config.num_speculative_tokens // config.block_size)
+        own = replace(config, mode="invariant", fault=None, num_blocks=blocks, enable_prefix_caching=False)
+        self.runner = ModelRunner(self.model, own)
+        self.blocks = BlockManager(blocks, config.block_size)
+        self.tables: dict[str, BlockTable] = {}
+        self.computed: dict[str, int] = {}
+
+    def propose(self, seq, k: int) -> list[int]:
+        """k greedy drafts: the tokens the draft model has not seen yet in one chunk, then one per draft."""
+        table = self.tables.setdefault(seq.request_id, BlockTable(seq.request_id))
+        tokens, drafts = seq.token_ids, []
+        self.blocks.allocate(table, len(tokens) + k - 1)
+        start = self.computed.get(seq.request_id, 0)
+        for j in range(k):
+            end = len(tokens) + j
+            chunk = ScheduledChunk(_Ahead(tokens + drafts, table), start, end - start, "prefill", True)
+            drafts.append(greedy_token(self.runner.execute([chunk], self.blocks)[0]))
+            start = end
+        self.computed[seq.request_id] = len(tokens) + k - 1
+        return drafts
+
+    def verified(self, seq, num_tokens: int) -> None:
+        """Its first `num_tokens` tokens are the request's: the KV past them is a rejected draft's."""
+        computed = min(self.computed.get(seq.request_id, 0), num_tokens)
+        self.computed[seq.request_id] = computed
+        self.blocks.trim(self.tables[seq.request_id], computed)
+
+    def forget(self, seq) -> None:
+        table = self.tables.pop(seq.request_id, None)
+        if table is not None:
+            self.blocks.free(table)
+        self.computed.pop(seq.request_id, None)
+
+
+def drafter(config: EngineConfig, vocab_size: int) -> PromptLookup | DraftModel | None:
+    """The engine's drafter: None without speculation."""
+    if not config.num_speculative_tokens:
+        return None
+    return DraftModel(config, vocab_size) if config.speculative_model else PromptLookup(config)

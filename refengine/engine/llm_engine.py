@@ -51,6 +51,7 @@ from ..sampling import (
 )
 from .block_manager import BlockManager, salt_root
 from .config import EngineConfig
+from .drafter import drafter
 from .faults import Fault
 from .kernels import top2
 from .metrics import EngineMetrics, SpeculationCounters
@@ -79,7 +80,7 @@ class LLMEngine:
                                           evict_on_reuse=fault is not Fault.EVICTED_BLOCK_STILL_CACHED,
                                           unlist_hits=fault is not Fault.CACHED_BLOCK_LEFT_ON_FREE_LIST,
                                           count_forks=fault is not Fault.FORKED_BLOCKS_NOT_REFCOUNTED)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, drafter(self.config, model.config.vocab_size))
         self.runner = ModelRunner(model, self.config)
         self.penalties = PenaltyRows(model.config.vocab_size, model.config.eos_token_ids, fault)
         self.prompt_scorer = PromptScorer(fault, keep_logits, digest_logits)

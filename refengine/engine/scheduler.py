@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from ..errors import RefengineError
 from .block_manager import BlockManager, block_hashes
 from .config import EngineConfig
-from .drafter import prompt_lookup
 from .faults import Fault
 from .sequence import Sequence, SequenceStatus
 
@@ -62,13 +61,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, drafter=None):
+        """`drafter`: speculative decoding's (engine/drafter.py), None without it."""
         # Fault.LAST_ADMISSION_SLOT_UNUSED: one slot fewer than configured is ever filled
         self.max_num_seqs = config.max_num_seqs - (config.injected is Fault.LAST_ADMISSION_SLOT_UNUSED)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.prompt_lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = drafter
         self.fault = config.injected
         self.policy, self.seed = config.scheduling_policy, config.scheduling_seed
         self.num_steps = 0  # schedule() calls so far: the engine's step number
@@ -204,15 +204,15 @@ class Scheduler:
         return chunks
 
     def _draft(self, seq: Sequence) -> list[int]:
-        """(draft) The draft tokens a running sequence's decode verifies: prompt lookup in its own tokens
-        (engine/drafter.py), up to num_speculative_tokens, always leaving room for the token its last
-        verification row yields. Proposed here, where the decode's tokens are decided, so the budget and
-        the blocks are exactly what it feeds. A request whose logits processors read its generated tokens
-        does not speculate (each row would need the counts of the drafts before it)."""
+        """(draft) The draft tokens a running sequence's decode verifies (engine/drafter.py: prompt lookup in
+        its own tokens, or a draft model), up to num_speculative_tokens, always leaving room for the token
+        its last verification row yields. Proposed here, where the decode's tokens are decided, so the
+        budget and the blocks are exactly what it feeds. A request whose logits processors read its
+        generated tokens does not speculate (each row would need the counts of the drafts before it)."""
         if seq.params.processes_logits or self._remaining(seq) != 1 or not seq.output_ids:
             return []
         room = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
-        return prompt_lookup(seq.token_ids, room, *self.prompt_lookup) if room > 0 else []
+        return self.drafter.propose(seq, room) if room > 0 else []
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""
@@ -259,6 +259,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         freed = list(seq.block_table.block_ids)
         self.block_manager.free(seq.block_table)
+        if self.drafter is not None:  # a draft model recomputes its KV with the sequence's
+            self.drafter.forget(seq)
         if self.fault is Fault.STALE_BLOCK_TABLE_AFTER_PREEMPTION:
             seq.block_table.block_ids = freed
         seq.num_computed_tokens = 0
@@ -288,6 +290,7 @@ class Scheduler:
         if seq.is_finished:  # its blocks are freed already
             return
         seq.num_computed_tokens = chunk.start + 1 + accepted
+        self.drafter.verified(seq, seq.num_computed_tokens)
         if self.fault is not Fault.REJECTED_DRAFT_BLOCKS_KEPT:
             self.block_manager.trim(seq.block_table, seq.num_computed_tokens)
         if self.block_manager.enable_caching:
@@ -307,6 +310,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if not (self.fault is Fault.ABORT_LEAKS_BLOCKS and reason == "abort"):
             self.block_manager.free(seq.block_table)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         seq.finish(reason, step)
         if seq.family is not None and all(s.is_finished for s in self.families[seq.family]):
             del self.families[seq.family]

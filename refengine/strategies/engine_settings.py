@@ -10,9 +10,10 @@
   and "shuffled" (any permutation, by `scheduling_seed`), so every row order reaches the runner.
   The seed is drawn whatever the policy (a fixed number of draws, so shrinking the policy to "fcfs"
   moves no other draw) and written only with "shuffled".
-- `num_speculative_tokens`: off in half the examples, else 1-4 draft tokens by prompt lookup (never more
-  than the budget leaves beside the decode's own token), shrinking towards off; written only when on.
-  Drawn last, so the draws before it mean what they meant before speculation existed.
+- `num_speculative_tokens`: off in half the examples, else 1-4 draft tokens (never more than the budget
+  leaves beside the decode's own token), by prompt lookup or, in half of those, by a draft model (DRAFT_MODEL,
+  another tiny model of the same vocabulary), shrinking towards off and prompt lookup; written only when
+  on. Drawn last, so the draws before it mean what they meant before speculation existed.
 Under pressure (burst schedules) several sequences run at once on small blocks: max_num_seqs >= 2,
 budget >= 8, block_size <= 8, so growing sequences cross block boundaries and exhaust a tight pool.
 Seats and budget shrink towards the roomiest engine (8 seats, 64 tokens), so a shrunk schedule
@@ -25,11 +26,13 @@ import functools
 from hypothesis import strategies as st
 
 from ..engine.config import SCHEDULING_POLICIES
+from .models import tiny_model_dir
 
 MAX_MODEL_LEN = 128
 MODES = ("invariant", "fast")
 MAX_SCHEDULING_SEED = 2**16 - 1
 SPECULATIVE_TOKENS = st.one_of(st.just(0), st.integers(1, 4))
+DRAFT_MODEL = "qwen3-mqa-tied"
 
 
 def roomiest_first(low: int, high: int) -> st.SearchStrategy[int]:
@@ -56,7 +59,14 @@ def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> di
     speculative = min(draw(SPECULATIVE_TOKENS), settings["max_num_batched_tokens"] - 1)
     if speculative:
         settings["num_speculative_tokens"] = speculative
+        if draw(st.booleans()):
+            settings["speculative_model"] = draft_model_dir()
     return settings
+
+
+def draft_model_dir() -> str:
+    """The draft model the strategies speculate with: a tiny model every suite model shares a vocabulary with."""
+    return str(tiny_model_dir(DRAFT_MODEL))
 
 
 @functools.cache

@@ -3,7 +3,8 @@ so that what random draws reach only now and then is checked on every run. Each 
 bug: a request carrying per-request state preempted and resumed, a prompt scored while another request
 runs, n answers forked beside other requests and from a chunked prefill, a preempted request and a later
 arrival both waiting, an abort a step after arrival,
-a cache hit on a running request's prompt (with and without prompt logprobs), a conversation's next turn,
+a cache hit on a running request's prompt (with and without prompt logprobs), the same prompt under
+another cache_salt, a conversation's next turn,
 draft tokens verified, all accepted and some rejected, behind another request's chunk.
 Random runs of the dev profile's budget reach them only now and then (refengine bench --scenario faults;
 the performance pages have the figures); the fault hunts (suite.hunts) try them first too.
@@ -74,6 +75,11 @@ CORNERS = {  # property -> {situation: schedule}
             "engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True), "requests": [
                 {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
                 {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 1, "max_tokens": 4, "prompt_logprobs": 1}]},
+        # the same prompt under two salts, the second arriving once the first's blocks are registered
+        "same-prompt-another-salt": {"engine": _engine(block_size=2, num_blocks=16, enable_prefix_caching=True),
+                                     "requests": [
+            {"id": "r0", "prompt_ids": [0] * 5, "arrival_step": 0, "max_tokens": 4, "cache_salt": "a"},
+            {"id": "r1", "prompt_ids": [0] * 5, "arrival_step": 1, "max_tokens": 4, "cache_salt": "b"}]},
         # the first answer ends exactly at a block edge (1 + 5 tokens, blocks of 2)
         "next-turn-after-a-block-edge": {"engine": _engine(block_size=2, num_blocks=5, enable_prefix_caching=True),
                                          "requests": [

@@ -80,6 +80,11 @@ def pytest_addoption(parser):
                     help="the --engine-url server's model folder (HF format): the float64 reference measures "
                          "the margin at every divergence the server's answers do not carry (text only, no "
                          "logprobs), and gives the bound a golden file lacks (validate --model)")
+    group.addoption("--baseline-url", metavar="URL", default=None,
+                    help="the --engine-url server's model served another way (speculative decoding off): the "
+                         "speculation property holds --engine-url's answers to this server's alone answers "
+                         "(default, without --engine-url: an in-process refengine server speculating by prompt "
+                         "lookup, held to the in-process server that does not)")
     group.addoption("--update-golden", action="store_true",
                     help="regenerate the committed golden files with the float64 reference")
     group.addoption(DATABASE_OPTION, metavar="URL", default=None,
@@ -249,4 +254,29 @@ def http_engine(request):
                           host="127.0.0.1", max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
     server.start()
     yield HttpTarget(server.url, golden, "f32", model)  # its float64 margins: for answers with logits processors
+    server.close()
+
+
+HTTP_SPECULATIVE_TOKENS = 3
+
+
+@pytest.fixture(scope="session")
+def http_speculation(request, http_engine):
+    """(the speculating HttpTarget, the URL of the same model served without speculation) for the
+    speculation property: --engine-url and --baseline-url, or in process a second server with
+    http_engine's settings speculating HTTP_SPECULATIVE_TOKENS tokens by prompt lookup, held to
+    http_engine's. None with --engine-url and no --baseline-url."""
+    from ..engine import EngineConfig
+    from ..serve import OpenAIServer
+
+    if request.config.getoption("--engine-url"):
+        baseline = request.config.getoption("--baseline-url")
+        yield None if baseline is None else (http_engine, baseline)
+        return
+    server = OpenAIServer(http_engine.model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+                                                          num_blocks=128, enable_prefix_caching=True,
+                                                          num_speculative_tokens=HTTP_SPECULATIVE_TOKENS),
+                          host="127.0.0.1", max_waiting=HTTP_MAX_WAITING, queue_timeout=HTTP_QUEUE_TIMEOUT_S)
+    server.start()
+    yield http_engine._replace(url=server.url), http_engine.url
     server.close()

@@ -17,6 +17,9 @@ same (the batching tolerance).
   with the variants of the first VARIANT_BASES (validate.variants: penalties; a bias against the golden
   first token with min_tokens; prompt logprobs, compared too; n, every answer compared), which no
   golden answer has;
+- a speculating server answers as the same model served without speculation: the property above, the
+  alone answers from --baseline-url's server (in process: a second refengine server speculating by
+  prompt lookup, held to the first); skipped with --engine-url and no --baseline-url;
 - streamed and whole answers of the same case in one schedule are identical;
 - a hang-up is an abort (validate.aborts, judged once the server is idle): every streamed request that
   hung up with more than validate.aborts.ABORT_SLACK tokens of its golden answer unsent, and that a
@@ -119,16 +122,20 @@ class Server:
         return self.bounds.batching
 
 
-def connect(url: str, golden: Golden, precision: str = "f32", model=None) -> Server:
+def connect(url: str, golden: Golden, precision: str = "f32", model=None, alone_url: str | None = None) -> Server:
     """The server, with its pace, the tolerances it is held to (validate.bounds: `precision`'s bound
     from the golden header, or measured on `model`) and its own alone answers: every golden case sent
-    once alone, whole, to each API a schedule may send it to."""
+    once alone, whole, to each API a schedule may send it to (`alone_url`: to that server instead, the
+    same model served another way; the pace is still the server's)."""
     bounds = tolerances(precision, None, False, golden, model)
     endpoint = Endpoint(url, TIMEOUT_S)
     name = served_model(endpoint)["id"]
     chat_cases = sorted((c for c in golden.cases if c.messages), key=lambda c: len(c.prompt_ids))
     id_prompts = not chat_cases or accepts_id_prompts(endpoint, name, chat_cases[0].prompt_ids)
     kept, records = send_alone(endpoint, alone_requests(golden.cases, id_prompts), name, dialect=None)
+    if alone_url is not None:
+        other = Endpoint(alone_url, TIMEOUT_S)
+        kept, _ = send_alone(other, alone_requests(golden.cases, id_prompts), served_model(other)["id"], dialect=None)
     pace = min(r["latency_s"] for r in records if r["api"] == "completions" or not id_prompts)
     return Server(endpoint, name, golden, arrival_step_s(pace), id_prompts, kept.answers, bounds,
                   None if model is None else LocalMargins(model))
@@ -429,6 +436,23 @@ def test_server_drains_after_every_schedule(server):
     if server_state(server.endpoint) is None:
         pytest.skip(f"{server.endpoint.url}: server exposes no status (/admin/api/status, /metrics, /slots)")
     http_property(server_drains, server)()
+
+
+@pytest.fixture(scope="module")
+def speculating(http_speculation) -> Server:
+    if http_speculation is None:
+        pytest.skip("--engine-url without --baseline-url: no server of the same model without speculation")
+    target, baseline = http_speculation
+    try:
+        return connect(*target, alone_url=baseline)
+    except RefengineError as e:
+        pytest.fail(f"HTTP invariants: {e}", pytrace=False)
+
+
+def test_a_speculating_server_answers_as_the_same_model_without_speculation(speculating):
+    """answers_equal_alone, the alone answers from the server that does not speculate (greedy golden
+    cases: a seeded sampler draws otherwise under speculation)."""
+    http_property(answers_equal_alone, speculating)()
 
 
 def test_a_hang_up_is_an_abort(server):

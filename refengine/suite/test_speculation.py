@@ -1,6 +1,6 @@
 """Property 11: speculative decoding changes no answer.
 
-An engine that speculates (prompt lookup, 1-4 draft tokens, engine/drafter.py) verifies each decode's
+An engine that speculates (1-4 draft tokens by prompt lookup or a draft model, engine/drafter.py) verifies each decode's
 drafts in the step's batched forward and keeps the longest run the target agrees with. What it must
 give back is what it would give without speculating:
 - greedy: every request batched with speculation on equals the same request alone with speculation off:
@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ..strategies import SAMPLERS, schedules, tiny_model_names
-from ..strategies.engine_settings import MODES
+from ..strategies.engine_settings import MODES, draft_model_dir
 from ..strategies.models import VOCAB_SIZE
 from .corners import with_corners
 from .harness import check
@@ -31,16 +31,18 @@ from .test_sampling import check_first_token_distribution
 pytestmark = pytest.mark.invariants
 
 
-def speculating(schedule: dict, k: int) -> dict:
-    """`schedule` with k draft tokens per decode, its budget raised to hold a verifying decode whole."""
-    engine = schedule["engine"]
+def speculating(schedule: dict, k: int, draft_model: bool) -> dict:
+    """`schedule` with k draft tokens per decode (by the strategies' draft model, or prompt lookup), its
+    budget raised to hold a verifying decode whole."""
+    engine = {key: value for key, value in schedule["engine"].items() if key != "speculative_model"}
     return {**schedule, "engine": {**engine, "num_speculative_tokens": k,
-                                   "max_num_batched_tokens": max(engine["max_num_batched_tokens"], 1 + k)}}
+                                   "max_num_batched_tokens": max(engine["max_num_batched_tokens"], 1 + k),
+                                   **({"speculative_model": draft_model_dir()} if draft_model else {})}}
 
 
 speculating_schedules = st.builds(
     speculating, st.sampled_from(MODES).flatmap(lambda mode: schedules(VOCAB_SIZE, mode, allow_seeded=False)),
-    st.integers(1, 4))
+    st.integers(1, 4), st.booleans())
 
 
 @with_corners("speculation-changes-no-greedy-answer")
