@@ -117,8 +117,7 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
                          "forked-blocks-not-refcounted": "KV accounting",
                          "cache-salt-ignored": "reads KV computed for something else",
                          "last-admission-slot-unused": "no progress",
-                         "preempted-requeued-last": "scheduling policy",
-                         "bonus-token-duplicated": "speculative decoding: step"}
+                         "preempted-requeued-last": "scheduling policy"}
 
 
 def corner_examples(prop: str) -> list[tuple]:
