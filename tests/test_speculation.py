@@ -157,12 +157,20 @@ def test_a_decode_that_cannot_verify_whole_waits_and_nothing_is_admitted_past_it
     assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
 
 
-def test_a_request_with_logits_processors_does_not_speculate():
-    schedule = schedule_of([request("r0", LOOPING, repetition_penalty=1.3), request("r1", LOOPING)])
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_a_request_with_logits_processors_verifies_each_row_with_the_drafts_before_it_counted(draft_model):
+    """Penalties, a bias and min_tokens read the tokens generated so far: verification row j is
+    processed with drafts 0..j-1 counted, as the decode of that prefix would be, so the answers, greedy
+    and seeded, are the unspeculated ones where every draft is greedy-verified, bit for bit."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    processors = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "logit_bias": {"7": 2.0}, "min_tokens": 3}
+    schedule = schedule_of([request("r0", LOOPING, **processors), request("r1", [4] * 8, presence_penalty=-1.0)],
+                           **({"speculative_model": draft_model_dir()} if draft_model else {}))
     parsed, engine, failure = run(schedule)
     assert failure is None
-    ran = {c["id"]: c for e in engine.trace for c in e["scheduled"] if c["phase"] == "decode"}
-    assert "draft" not in ran["r0"] and "draft" in ran["r1"]
+    drafted = {c["id"] for e in engine.trace for c in e["scheduled"] if c.get("draft")}
+    assert drafted == ({"r0", "r1"} if draft_model else {"r1"})  # r0's penalties keep its answer from repeating
+    assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
 
 
 @pytest.mark.parametrize("k, budget, field", [(-1, 64, "num_speculative_tokens"), (True, 64, "num_speculative_tokens"),

@@ -237,16 +237,20 @@ class LLMEngine:
         for j in range(len(draft) + 1):
             row = first + self._verified_row(j, len(draft))
             proposed = draft[j] if j < len(draft) else None
-            events.append(self._append_token(seq, logits[row], int(best[row]), float(margins[row]), step,
-                                             leaked_seed, logprobs[row], draft=proposed))
+            # a processed row counts the drafts accepted before it: recorded as each was appended
+            adjusted = self.penalties.apply([seq], logits[row][None])[0] if seq.params.processes_logits else None
+            row_best, margin = (best[row], margins[row]) if adjusted is None else \
+                (greedy_token(adjusted), top2_margin(adjusted))
+            events.append(self._append_token(seq, logits[row], int(row_best), float(margin), step,
+                                             leaked_seed, logprobs[row], adjusted, draft=proposed))
             if events[-1].token_id != proposed:
                 break
             accepted += 1
             if events[-1].finish_reason:
                 break
         if self._duplicate_bonus and draft and accepted == len(draft) and not seq.is_finished:
-            events.append(self._append_token(seq, logits[row], int(best[row]), float(margins[row]), step,
-                                             leaked_seed, logprobs[row]))
+            events.append(self._append_token(seq, logits[row], int(row_best), float(margin), step,
+                                             leaked_seed, logprobs[row], adjusted))
         self.scheduler.verified(chunk, accepted)
         self.speculation.record(len(draft), accepted)
         return events, accepted
@@ -298,7 +302,7 @@ class LLMEngine:
             if draft is None:
                 token = self.choose_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids))
             else:
-                token = self.verify_token(logits, drawn, len(seq.output_ids), draft)
+                token = self.verify_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids), draft)
         logprob, alternatives = (None, []) if row_logprobs is None else \
             ranked_logprobs(row_logprobs, token, params.logprobs)
         record = StepRecord(token, margin, alternatives, logprob, step,

@@ -207,9 +207,8 @@ class Scheduler:
         """(draft) The draft tokens a running sequence's decode verifies (engine/drafter.py: prompt lookup in
         its own tokens, or a draft model), up to num_speculative_tokens, always leaving room for the token
         its last verification row yields. Proposed here, where the decode's tokens are decided, so the
-        budget and the blocks are exactly what it feeds. A request whose logits processors read its
-        generated tokens does not speculate (each row would need the counts of the drafts before it)."""
-        if seq.params.processes_logits or self._remaining(seq) != 1 or not seq.output_ids:
+        budget and the blocks are exactly what it feeds."""
+        if self._remaining(seq) != 1 or not seq.output_ids:
             return []
         room = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
         return self.drafter.propose(seq, room) if room > 0 else []
