@@ -385,3 +385,20 @@ def test_serve_refuses_a_draft_model_it_cannot_load_in_one_line(tmp_path, capsys
     assert main(["serve", "--port", "0", "--speculative", f"draft:{tmp_path / 'none'}:3"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "cannot load" in err and str(tmp_path / "none") in err
+
+
+def test_a_draft_model_short_of_blocks_gives_back_the_least_recent_table_and_drafts_the_same():
+    """Two requests share a 30-token prompt through the target's prefix cache (46 one-token blocks); the
+    draft model holds a copy each, more than its pool of one longest request (51 blocks) holds, so each
+    proposal takes the other's table and computes its own again: row by row, the same KV and drafts."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    prompt = [(7 * n) % 500 for n in range(30)]
+    schedule = schedule_of([request("r0", prompt, max_tokens=8), request("r1", prompt, 1, max_tokens=8)], k=3,
+                           block_size=1, num_blocks=46, max_model_len=48, enable_prefix_caching=True,
+                           speculative_model=draft_model_dir())
+    parsed, engine, failure = run(schedule)
+    drafter = engine.scheduler.drafter
+    assert failure is None and engine.output("r1").num_cached_tokens > 0
+    assert 2 * (len(prompt) + 8) > drafter.blocks.num_blocks  # both tables never fit at once
+    assert engine.status()["spec_decode_drafts"] > 0 and drafter.blocks.num_used_blocks == 0
+    assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed

@@ -65,7 +65,10 @@ def _draft_model(path: str) -> Model:  # loaded (and its weights packed) once pe
 
 class DraftModel:
     """Greedy drafts from a smaller model, on a KV pool of its own: each request's table there holds the
-    positions it has fed the draft model, `computed` of them still those of the request's tokens."""
+    positions it has fed the draft model, `computed` of them still those of the request's tokens. The
+    pool shares nothing (requests the target's prefix cache or forks let share blocks hold copies here),
+    so where it runs short the request that proposed least recently gives its table back and computes it
+    again when it next proposes: the same KV, row by row, so the same drafts."""
 
     def __init__(self, config: EngineConfig, vocab_size: int):
         try:
@@ -77,7 +80,8 @@ class DraftModel:
                                  f"target's ({vocab_size})")
         # every running request's tokens and its drafts; invariant kernels whatever the target's mode, and
         # no fault: the drafts are the request's own, whatever the batch
-        blocks = config.num_blocks + config.max_num_seqs * -(-config.num_speculative_tokens // config.block_size)
+        longest = -(-(config.max_model_len + config.num_speculative_tokens) // config.block_size)
+        blocks = max(config.num_blocks, longest)  # at least one request of the longest at a time
         own = replace(config, mode="invariant", fault=None, num_blocks=blocks, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, own)
         self.blocks = BlockManager(blocks, config.block_size)
@@ -86,8 +90,11 @@ class DraftModel:
 
     def propose(self, seq, k: int) -> list[int]:
         """k greedy drafts: the tokens the draft model has not seen yet in one chunk, then one per draft."""
-        table = self.tables.setdefault(seq.request_id, BlockTable(seq.request_id))
+        table = self.tables.pop(seq.request_id, None) or BlockTable(seq.request_id)
         tokens, drafts = seq.token_ids, []
+        while not self.blocks.can_allocate(table, len(tokens) + k - 1):
+            self._forget(next(iter(self.tables)))  # the least recently proposing request's
+        self.tables[seq.request_id] = table  # the most recent
         self.blocks.allocate(table, len(tokens) + k - 1)
         start = self.computed.get(seq.request_id, 0)
         for j in range(k):
@@ -100,15 +107,20 @@ class DraftModel:
 
     def verified(self, seq, num_tokens: int) -> None:
         """Its first `num_tokens` tokens are the request's: the KV past them is a rejected draft's."""
-        computed = min(self.computed.get(seq.request_id, 0), num_tokens)
+        if seq.request_id not in self.tables:  # given back while others proposed
+            return
+        computed = min(self.computed[seq.request_id], num_tokens)
         self.computed[seq.request_id] = computed
         self.blocks.trim(self.tables[seq.request_id], computed)
 
     def forget(self, seq) -> None:
-        table = self.tables.pop(seq.request_id, None)
+        self._forget(seq.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
         if table is not None:
             self.blocks.free(table)
-        self.computed.pop(seq.request_id, None)
+        self.computed.pop(request_id, None)
 
 
 def drafter(config: EngineConfig, vocab_size: int) -> PromptLookup | DraftModel | None:
