@@ -205,8 +205,7 @@ class LLMEngine:
         seeds = [c.seq.params.seed for c in sampling if not c.seq.params.greedy]
         leaked_seed = seeds[0] if self._leak_seed and seeds else None
         logprobs = self._step_logprobs(logits, [c.seq.params.logprobs > 0 for c in sampling
-                                                for _ in range(1 + len(c.draft))] if rows[-1] > len(sampling) else
-                                       [c.seq.params.logprobs > 0 for c in sampling])
+                                                for _ in range(1 + len(c.draft))])
         best, margins = top2(logits) if sampling else ((), ())
         verified: dict[str, int] = {}  # accepted drafts, by request
         own_rows = logits if rows[-1] == len(sampling) else logits[rows[:-1]]  # each sampling chunk's first row

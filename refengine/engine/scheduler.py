@@ -283,8 +283,9 @@ class Scheduler:
 
     def verified(self, chunk: ScheduledChunk, accepted: int) -> None:
         """A verifying decode accepted `accepted` of its draft tokens: its input token and those are
-        computed; the blocks reserved past them go back to the pool (Fault.REJECTED_DRAFT_BLOCKS_KEPT:
-        they stay in its table), and its full blocks of verified tokens become cacheable."""
+        computed; the blocks allocated for the rejected ones go back to the pool (Fault.REJECTED_DRAFT_BLOCKS_KEPT:
+        they stay in its table), the draft model's KV past them is dropped, and its full blocks of verified
+        tokens become cacheable."""
         seq = chunk.seq
         if seq.is_finished:  # its blocks are freed already
             return
