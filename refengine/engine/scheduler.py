@@ -1,9 +1,9 @@
 """Iteration-level FCFS scheduling with chunked prefill and preemption by recompute (vLLM v1 style).
 
 Every step is decided afresh: running sequences first, in admission order, each gets the tokens it
-still needs (1 for a decode, plus its draft tokens when speculating: all of them or, where the budget
-left cannot hold them, none and nothing admitted after it; a chunk of its prompt otherwise) within the
-step's token budget; then
+still needs (1 for a decode, plus its draft tokens when speculating: a decode the budget left cannot
+hold whole waits for the next step, and nothing is admitted after it; a chunk of its prompt otherwise)
+within the step's token budget; then
 waiting sequences are admitted in arrival order while seats, budget and KV blocks last. When a
 running sequence cannot get blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to recompute prompt + generated
