@@ -272,7 +272,8 @@ def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[n
     return order, probs
 
 
-def _pick(order: np.ndarray, probs: np.ndarray, uniform: float) -> int:
+def pick_token(order: np.ndarray, probs: np.ndarray, uniform: float) -> int:
+    """The id of `order` where `uniform` falls in the cumulative (unnormalized) `probs`."""
     cdf = np.cumsum(probs)
     pick = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     return int(order[min(pick, len(order) - 1)])
@@ -281,29 +282,36 @@ def _pick(order: np.ndarray, probs: np.ndarray, uniform: float) -> int:
 def sample_token(logits: np.ndarray, params: SamplingParams, token_index: int) -> int:
     if params.greedy:
         return greedy_token(logits)
-    return _pick(*sampling_distribution(logits, params), token_uniform(params.seed, token_index))
+    return pick_token(*sampling_distribution(logits, params), token_uniform(params.seed, token_index))
 
 
 def verify_draft(logits: np.ndarray, params: SamplingParams, token_index: int, draft: int,
-                 residual: bool = True) -> int:
-    """The token speculative decoding emits as generated token `token_index`, where a drafter that
-    proposes with certainty (prompt lookup: its distribution q is all on `draft`) proposed `draft`; the
-    draft is accepted where the result is `draft`. Greedy: the argmax. Sampled, with p the request's
-    distribution: `draft` with probability min(1, p/q) = p(draft) (the token's second keyed uniform),
-    else a draw from the residual max(p - q, 0), normalized: p without `draft` (its first). The result
-    is distributed exactly as p (Leviathan et al., 2023). `residual` False
-    (Fault.REJECTION_RESAMPLES_TARGET) draws a rejected position from p itself."""
+                 residual: bool = True, draft_probs: np.ndarray | None = None) -> int:
+    """The token speculative decoding emits as generated token `token_index`, where a drafter proposed
+    `draft` drawn from its distribution q (`draft_probs` over the vocabulary; None: a drafter that
+    proposes with certainty, prompt lookup or greedy drafting, q all on `draft`); the draft is accepted
+    where the result is `draft`. Greedy: the argmax. Sampled, with p the request's distribution: `draft`
+    with probability min(1, p/q) (the token's second keyed uniform), else a draw from the residual
+    max(p - q, 0), normalized (its first): with a certain draft, p without it. The result is distributed
+    exactly as p (Leviathan et al., 2023). `residual` False (Fault.REJECTION_RESAMPLES_TARGET) draws a
+    rejected position from p itself."""
     if params.greedy:
         return greedy_token(logits)
     order, probs = sampling_distribution(logits, params)
-    at = np.flatnonzero(order[:len(probs)] == draft)
+    kept = order[:len(probs)]
+    at = np.flatnonzero(kept == draft)
     drafted = float(probs[at[0]]) if len(at) else 0.0
-    if token_uniform(params.seed, token_index, draw=1) < drafted:
+    proposed = 1.0 if draft_probs is None else float(draft_probs[draft])
+    if token_uniform(params.seed, token_index, draw=1) * proposed < drafted:  # u < min(1, p / q)
         return draft
     if residual:
-        probs = probs.copy()
-        probs[at] = 0.0
-    return _pick(order, probs, token_uniform(params.seed, token_index))
+        q = np.zeros(len(probs))
+        if draft_probs is None:
+            q[at] = 1.0
+        else:
+            q = draft_probs[kept]
+        probs = np.maximum(probs - q, 0.0)
+    return pick_token(order, probs, token_uniform(params.seed, token_index))
 
 
 def finish_reason(token_id: int, num_generated: int, text: str, params: SamplingParams,

@@ -402,3 +402,42 @@ def test_a_draft_model_short_of_blocks_gives_back_the_least_recent_table_and_dra
     assert 2 * (len(prompt) + 8) > drafter.blocks.num_blocks  # both tables never fit at once
     assert engine.status()["spec_decode_drafts"] > 0 and drafter.blocks.num_used_blocks == 0
     assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_draft_drawn_from_its_own_distribution_is_verified_to_the_target(residual):
+    """A draft model's seeded draft, drawn from its distribution q, accepted with min(1, p/q) and
+    replaced from max(p - q, 0) when rejected: what comes out is distributed as p, and the draft is
+    accepted with probability sum(min(p, q)). Drawing a rejected position from p itself
+    (rejection-resamples-target) is not: too much of the tokens q favours."""
+    from refengine.sampling import pick_token, token_uniform
+    rng = np.random.default_rng(5)
+    row = rng.normal(0, 1.5, 64).astype(np.float32)
+    params = SamplingParams(temperature=1.0, seed=0)
+    ids, probs = sampling_distribution(row, params)
+    p = np.zeros(64)
+    p[ids[:len(probs)]] = probs
+    q = rng.dirichlet(np.full(64, 0.3))  # a draft model that disagrees with the target
+    draws = 4000
+    drafts = [pick_token(np.arange(64), q, token_uniform(seed, 5, draw=2)) for seed in range(draws)]
+    tokens = [verify_draft(row, replace(params, seed=seed), 5, d, residual, q) for seed, d in enumerate(drafts)]
+    fits = goodness_of_fit(tokens, p).passed(1e-6)
+    assert fits == residual
+    if residual:
+        accepted = sum(t == d for t, d in zip(tokens, drafts)) / draws
+        expected = float(np.minimum(p, q).sum())
+        assert abs(accepted - expected) <= 4 * np.sqrt(expected * (1 - expected) / draws)
+
+
+def test_a_draft_model_samples_a_seeded_requests_drafts_and_batched_equals_alone():
+    """Seeded requests under a draft model: drafts drawn with their own keyed uniforms, so a request's
+    drafts, and so its answer, are its own batched or alone, bit for bit in invariant mode."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    sampled = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    schedule = schedule_of([request("r0", LOOPING, sampling={**sampled, "seed": 1}),
+                            request("r1", [4] * 8, 1, sampling={**sampled, "seed": 2}), request("r2", [20, 21])],
+                           speculative_model=draft_model_dir())
+    parsed, engine, failure = run(schedule)
+    status = engine.status()
+    assert failure is None and status["spec_decode_draft_tokens"] > status["spec_decode_accepted_tokens"] > 0
+    assert replay(tiny_model(DEFAULT_MODEL), parsed).passed

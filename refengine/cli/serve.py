@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--speculative", metavar="ngram:K|draft:DIR:K",
                    help="speculative decoding: up to K draft tokens per decode, verified in the batched forward, "
                         "by prompt lookup (n-grams of the request's own tokens) or by the draft model in DIR (the "
-                        "same vocabulary, decoding greedily)")
+                        "same vocabulary)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may queue beyond the running batch before new ones wait for a slot")
     p.add_argument("--queue-timeout", type=float, default=30.0,

@@ -30,7 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # share computed full KV blocks between requests (block_manager)
     # Speculative decoding (engine/drafter.py): up to this many draft tokens per decode, verified in the
     # step's forward; 0: off. Drafts by prompt lookup of the last prompt_lookup_max..min tokens, or by
-    # the draft model in the folder speculative_model (the same vocabulary), decoding greedily.
+    # the draft model in the folder speculative_model (the same vocabulary), decoding ahead.
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3

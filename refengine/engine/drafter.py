@@ -2,7 +2,8 @@
 
 Prompt lookup is vLLM's n-gram speculator (and llama.cpp's lookup decoding): find an earlier
 occurrence of the last n tokens, longest n first, and propose the tokens that followed it. A draft
-model is a smaller model with the same vocabulary, decoding greedily ahead of the target.
+model is a smaller model with the same vocabulary, decoding ahead of the target: greedily for a greedy
+request, for a seeded one drawing from its own distribution, which verification then takes into account.
 
 Either is a function of the request's own tokens alone: the draft model runs one request at a time,
 row by row (invariant kernels), on KV of its own. So a request proposes the same drafts batched or
@@ -15,9 +16,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..errors import RefengineError
 from ..model import Model, load_model
-from ..sampling import greedy_token
+from ..sampling import greedy_token, pick_token, sampling_distribution, token_uniform
 from .block_manager import BlockManager, BlockTable
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -44,6 +47,10 @@ class PromptLookup:
     def propose(self, seq, k: int) -> list[int]:
         return prompt_lookup(seq.token_ids, k, *self.lookup)
 
+    def draft_probs(self, seq, j: int) -> None:
+        """The distribution draft j was drawn from: none, it is proposed with certainty."""
+        return None
+
     def verified(self, seq, num_tokens: int) -> None:
         pass
 
@@ -64,7 +71,9 @@ def _draft_model(path: str) -> Model:  # loaded (and its weights packed) once pe
 
 
 class DraftModel:
-    """Greedy drafts from a smaller model, on a KV pool of its own: each request's table there holds the
+    """Drafts from a smaller model (greedy for a greedy request; for a seeded one drawn from the draft
+    row's distribution under the request's temperature, top-k and top-p, with the token's third keyed
+    uniform, that distribution kept for verification), on a KV pool of its own: each request's table there holds the
     positions it has fed the draft model, `computed` of them still those of the request's tokens. The
     pool shares nothing (requests the target's prefix cache or forks let share blocks hold copies here),
     so where it runs short the request that proposed least recently gives its table back and computes it
@@ -87,23 +96,38 @@ class DraftModel:
         self.blocks = BlockManager(blocks, config.block_size)
         self.tables: dict[str, BlockTable] = {}
         self.computed: dict[str, int] = {}
+        self.probs: dict[str, list] = {}  # a seeded request's last drafts' distributions, over the vocabulary
 
     def propose(self, seq, k: int) -> list[int]:
-        """k greedy drafts: the tokens the draft model has not seen yet in one chunk, then one per draft."""
+        """k drafts: the tokens the draft model has not seen yet in one chunk, then one per draft."""
         table = self.tables.pop(seq.request_id, None) or BlockTable(seq.request_id)
         tokens, drafts = seq.token_ids, []
         while not self.blocks.can_allocate(table, len(tokens) + k - 1):
             self._forget(next(iter(self.tables)))  # the least recently proposing request's
         self.tables[seq.request_id] = table  # the most recent
         self.blocks.allocate(table, len(tokens) + k - 1)
-        start = self.computed.get(seq.request_id, 0)
+        start, params, probs = self.computed.get(seq.request_id, 0), seq.params, []
         for j in range(k):
             end = len(tokens) + j
             chunk = ScheduledChunk(_Ahead(tokens + drafts, table), start, end - start, "prefill", True)
-            drafts.append(greedy_token(self.runner.execute([chunk], self.blocks)[0]))
+            row = self.runner.execute([chunk], self.blocks)[0]
+            if params.greedy:
+                drafts.append(greedy_token(row))
+            else:
+                order, kept = sampling_distribution(row, params)
+                q = np.zeros(len(row))
+                q[order[:len(kept)]] = kept
+                drafts.append(pick_token(order, kept, token_uniform(params.seed, len(seq.output_ids) + j, draw=2)))
+                probs.append(q)
             start = end
         self.computed[seq.request_id] = len(tokens) + k - 1
+        self.probs[seq.request_id] = probs
         return drafts
+
+    def draft_probs(self, seq, j: int) -> np.ndarray | None:
+        """The distribution draft j of its last proposal was drawn from: None for a greedy request's."""
+        probs = self.probs.get(seq.request_id)
+        return probs[j] if probs else None
 
     def verified(self, seq, num_tokens: int) -> None:
         """Its first `num_tokens` tokens are the request's: the KV past them is a rejected draft's."""
@@ -115,8 +139,10 @@ class DraftModel:
 
     def forget(self, seq) -> None:
         self._forget(seq.request_id)
+        self.probs.pop(seq.request_id, None)
 
     def _forget(self, request_id: str) -> None:
+        """Give back the request's table (its last drafts' distributions stay: it may be verifying them)."""
         table = self.tables.pop(request_id, None)
         if table is not None:
             self.blocks.free(table)

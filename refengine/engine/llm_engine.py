@@ -241,7 +241,9 @@ class LLMEngine:
             row_best, margin = (best[row], margins[row]) if adjusted is None else \
                 (greedy_token(adjusted), top2_margin(adjusted))
             events.append(self._append_token(seq, logits[row], int(row_best), float(margin), step,
-                                             leaked_seed, logprobs[row], adjusted, draft=proposed))
+                                             leaked_seed, logprobs[row], adjusted, draft=proposed,
+                                             draft_probs=self.scheduler.drafter.draft_probs(seq, j)
+                                             if proposed is not None else None))
             if events[-1].token_id != proposed:
                 break
             accepted += 1
@@ -288,11 +290,12 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, logits: np.ndarray, best: int, margin: float, step: int,
                       leaked_seed: int | None, row_logprobs: np.ndarray | None = None,
-                      adjusted: np.ndarray | None = None, draft: int | None = None) -> TokenEvent:
+                      adjusted: np.ndarray | None = None, draft: int | None = None,
+                      draft_probs: np.ndarray | None = None) -> TokenEvent:
         """The row's token (`best`, its greedy token, where the request is greedy) and its record.
         `margin` is the top-2 margin of the row the token is chosen from: `adjusted` where the request's
         logits processors made one, else `logits` (which the record's digest and logprobs are of).
-        `draft`: the draft token this row verifies (sampling.verify_draft decides)."""
+        `draft`: the draft token this row verifies, drawn from `draft_probs` (sampling.verify_draft decides)."""
         params = seq.params
         if params.greedy:
             token = best
@@ -301,7 +304,8 @@ class LLMEngine:
             if draft is None:
                 token = self.choose_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids))
             else:
-                token = self.verify_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids), draft)
+                token = self.verify_token(logits if adjusted is None else adjusted, drawn, len(seq.output_ids), draft,
+                                          draft_probs)
         logprob, alternatives = (None, []) if row_logprobs is None else \
             ranked_logprobs(row_logprobs, token, params.logprobs)
         record = StepRecord(token, margin, alternatives, logprob, step,
@@ -328,10 +332,12 @@ class LLMEngine:
             logits, params = _nucleus_without_crossing_token(logits, params)
         return sample_token(logits, params, token_index)
 
-    def verify_token(self, logits: np.ndarray, params: SamplingParams, token_index: int, draft: int) -> int:
+    def verify_token(self, logits: np.ndarray, params: SamplingParams, token_index: int, draft: int,
+                     draft_probs: np.ndarray | None = None) -> int:
         """The token the engine emits for generated token `token_index` from a verification row whose
-        draft token was `draft` (sampling.verify_draft; the draft was accepted where they are equal)."""
-        return verify_draft(logits, params, token_index, draft, self._residual)
+        draft token was `draft`, drawn from `draft_probs` (None: proposed with certainty;
+        sampling.verify_draft; the draft was accepted where they are equal)."""
+        return verify_draft(logits, params, token_index, draft, self._residual, draft_probs)
 
     def _record(self, step: int, output: SchedulerOutput, aborted: list[str], kv_blocks_used: int,
                 verified: dict[str, int], seconds: float) -> None:
