@@ -73,8 +73,9 @@ def _draft_model(path: str) -> Model:  # loaded (and its weights packed) once pe
 class DraftModel:
     """Drafts from a smaller model (greedy for a greedy request; for a seeded one drawn from the draft
     row's distribution under the request's temperature, top-k and top-p, with the token's third keyed
-    uniform, that distribution kept for verification), on a KV pool of its own: each request's table there holds the
-    positions it has fed the draft model, `computed` of them still those of the request's tokens. The
+    uniform, that distribution kept for verification), on a KV pool of its own: each request's table
+    there holds the positions it has fed the draft model, `computed` of them still those of the request's
+    tokens. The
     pool shares nothing (requests the target's prefix cache or forks let share blocks hold copies here),
     so where it runs short the request that proposed least recently gives its table back and computes it
     again when it next proposes: the same KV, row by row, so the same drafts."""
