@@ -64,6 +64,7 @@ def engine_settings(draw, mode: str = "invariant", pressure: bool = False) -> di
     return settings
 
 
+@functools.cache  # drawn in every speculating example: one look at the model cache per process
 def draft_model_dir() -> str:
     """The draft model the strategies speculate with: a tiny model every suite model shares a vocabulary with."""
     return str(tiny_model_dir(DRAFT_MODEL))
