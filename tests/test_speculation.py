@@ -105,6 +105,19 @@ def test_resampling_the_target_on_rejection_is_caught_by_the_distribution_proper
             check_first_token_distribution(sampler, fault="rejection-resamples-target", draft_rank=rank)
 
 
+def test_pricing_a_draft_model_draw_untempered_is_caught_by_the_distribution_property():
+    """draft-probs-untempered: the draft drawn at the request's temperature but verified against the
+    draft model's plain softmax. With the model as its own draft (q is p), a hot sampler's draws then
+    favour what the untempered softmax underprices; the shipped check fails it and passes without.
+    Where the two distributions agree (temperature 1, nothing truncated) the fault changes nothing."""
+    hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    check_first_token_distribution(hot, draft_model="self")
+    with pytest.raises(PropertyFailure, match="verifying draft model 'self'"):
+        check_first_token_distribution(hot, fault="draft-probs-untempered", draft_model="self")
+    check_first_token_distribution({"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                                   fault="draft-probs-untempered", draft_model="self")
+
+
 # ---- the engine ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["invariant", "fast"])
@@ -337,11 +350,16 @@ def test_the_bench_runs_plain_and_speculating_engines_on_a_repetitive_workload()
     batches = json.loads(done.stdout)["speculation"]["batches"]
     assert set(batches) == {"1", "2"}
     for batch, data in batches.items():
-        plain, spec = data["plain"], data["speculating"]
-        assert data["same_answers"] and plain["tokens_per_step"] == int(batch)  # one token per request and step
-        assert spec["accepted_tokens"] > 0 and spec["tokens_per_step"] > plain["tokens_per_step"]
-        assert spec["decode_tokens"] == plain["decode_tokens"]  # the same answers, so the same first tokens left
-        assert data["speedup"] == spec["decode_tok_s"] / plain["decode_tok_s"]
+        plain = data["plain"]
+        assert plain["tokens_per_step"] == int(batch)  # one token per request and step
+        assert "+".join(["1"] * int(batch)) in data["forward_s"] and data["draft_forward_s"]["1"] > 0
+        assert set(data["drafters"]) == {"prompt lookup", "draft model"}
+        for spec in data["drafters"].values():
+            assert spec["same_answers"] and spec["accepted_tokens"] > 0
+            assert spec["tokens_per_step"] > plain["tokens_per_step"]
+            assert spec["decode_tokens"] == plain["decode_tokens"]  # the same answers, so the same first tokens left
+            assert spec["speedup"] == spec["decode_tok_s"] / plain["decode_tok_s"]
+            assert spec["predicted_speedup"] == spec["priced_tok_s"] / plain["priced_tok_s"]
 
 
 # ---- the draft model -------------------------------------------------------------------------------
@@ -428,6 +446,48 @@ def test_a_draft_drawn_from_its_own_distribution_is_verified_to_the_target(resid
         accepted = sum(t == d for t, d in zip(tokens, drafts)) / draws
         expected = float(np.minimum(p, q).sum())
         assert abs(accepted - expected) <= 4 * np.sqrt(expected * (1 - expected) / draws)
+
+
+def test_a_draft_model_drafts_a_steps_decodes_in_one_forward_per_draft_position():
+    """Four requests decoding together: each step's proposal runs the draft model once per draft position
+    (the first over every request's unseen tokens, then a row each), not once per request and draft;
+    and the answers are the unspeculated ones alone."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    schedule = schedule_of([request(f"r{n}", [3 + n, 9, 3 + n, 9]) for n in range(4)], k=3,
+                           speculative_model=draft_model_dir())
+    parsed = parse_schedule(schedule, "test")
+    engine = LLMEngine(tiny_model(DEFAULT_MODEL), parsed.engine)
+    drafter, forwards = engine.scheduler.drafter, []
+    execute = drafter.runner.execute
+    drafter.runner.execute = lambda chunks, blocks: forwards.append(len(chunks)) or execute(chunks, blocks)
+    for r in parsed.requests:
+        engine.add_request(r.id, **r.prompt, params=r.params)
+    drafting = []  # per step that proposed: the drafts of each verifying decode
+    while engine.has_unfinished():
+        engine.step()
+        drafts = [c["draft"] for c in engine.trace[-1]["scheduled"] if c.get("draft")]
+        drafting += [drafts] if drafts else []
+    # a forward per draft position, each over the decodes drafting that many: all four in one
+    assert forwards == [sum(d > j for d in drafts) for drafts in drafting for j in range(max(drafts))]
+    assert max(forwards) == 4
+    assert replay(tiny_model(DEFAULT_MODEL), parsed, against="unspeculated").passed
+
+
+def test_a_seeded_request_resumed_after_preemption_verifies_the_tokens_it_verifies_alone():
+    """On a pool of 5 one-token blocks r1 (seeded) is preempted while r0 grows. Resumed, it recomputes all
+    but its last token, which then runs as the verifying decode it is alone: the same tokens verified
+    against the same drafts, so the same answer (its prefill sampling that token instead would draw it
+    with other uniforms than verification does: chunking-consistency found that)."""
+    from refengine.strategies.engine_settings import draft_model_dir
+    sampled = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    schedule = schedule_of([request("r0", [0], max_tokens=4), request("r1", [0], max_tokens=4,
+                                                                      sampling={**sampled, "seed": 0})],
+                           k=1, block_size=1, num_blocks=5, speculative_model=draft_model_dir())
+    for budget in (64, 2):  # preempted, and alone in every step
+        parsed, engine, failure = run({**schedule, "engine": {**schedule["engine"], "max_num_batched_tokens": budget}})
+        assert failure is None and engine.status()["spec_decode_drafts"] > 0
+        assert (engine.output("r1").num_preemptions > 0) == (budget == 64)
+        assert replay(tiny_model(DEFAULT_MODEL), parsed).passed
 
 
 def test_a_draft_model_samples_a_seeded_requests_drafts_and_batched_equals_alone():

@@ -112,3 +112,38 @@ def test_a_large_tensor_drawn_in_blocks_of_rows_is_the_same_tensor(tmp_path, mon
     whole = folder_digests(make_tiny(tmp_path / "whole", spec, dtype="BF16", shards=2))
     monkeypatch.setattr(tiny, "ROWS_PER_DRAW", 7)
     assert folder_digests(make_tiny(tmp_path / "blocks", spec, dtype="BF16", shards=2)) == whole
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_model_cut_to_its_first_layers_is_the_model_stopped_there(tmp_path, tie):
+    """first_layers writes a folder whose float64 logits are the source's embedding, its first n layers,
+    its final norm and head, computed here from the source's own weights with the later layers dropped;
+    the tokenizer files are the source's."""
+    from dataclasses import replace
+
+    from refengine.model.tiny import first_layers
+    from refengine.reference import KVCache, final_hidden, output_head
+    source = make_tiny(tmp_path / "source", TinySpec(layers=3, tie=tie), seed=4, dtype="BF16", shards=2)
+    cut = load_model(first_layers(source, tmp_path / "cut", 2))
+    whole = load_model(source)
+    assert cut.config.num_layers == 2 and cut.config.tie_word_embeddings == tie
+    assert (tmp_path / "cut" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    ids = [5, 17, 3, 99, 42, 7]
+    weights = whole.weights(np.float64)
+    stopped = replace(weights, layers=weights.layers[:2])
+    want = output_head(stopped, final_hidden(stopped, whole.config, ids, KVCache()))
+    assert np.array_equal(prompt_logits(cut, ids), want)
+    assert not np.array_equal(prompt_logits(whole, ids), want)
+
+
+def test_a_cut_outside_the_models_layers_is_refused_by_name(tmp_path):
+    from refengine.errors import RefengineError
+    from refengine.model.tiny import first_layers
+    source = make_tiny(tmp_path / "source", TinySpec(layers=2))
+    for layers in (0, 3):
+        with pytest.raises(RefengineError, match="^layers: "):
+            first_layers(source, tmp_path / f"cut{layers}", layers)
+    moe = make_tiny(tmp_path / "moe", TinySpec(arch="qwen3_moe", layers=2, experts=2, experts_per_tok=1,
+                                               moe_intermediate=8))
+    with pytest.raises(RefengineError, match="only a dense text model"):
+        first_layers(moe, tmp_path / "cut-moe", 1)

@@ -202,6 +202,32 @@ def _llama_cpp(llama: dict, workload: dict) -> list[str]:
 
 
 def _speculation(spec: dict) -> list[str]:
+    if "drafters" not in spec:
+        return _speculation_one_drafter(spec)
+    lookup, draft = spec["drafters"]["prompt lookup"], spec["drafters"]["draft model"]
+    out = ["## Speculative decoding", "",
+           f"Prompts of a {spec['phrase_tokens']}-token phrase said {spec['repeats']} times, greedy, fast mode; "
+           f"prompt lookup of {lookup['num_speculative_tokens']} tokens, and a draft model of "
+           f"{draft['num_speculative_tokens']}: the target's first {draft['layers']} of {draft['of_layers']} "
+           f"layers with its head ({draft['parameters']:,} parameters). The engines step in turn. Tokens per "
+           f"second over each engine's decode-only steps; the prediction prices each speculating step as a "
+           f"plain step plus what the target's forward over its shape costs beyond a plain step's, plus a "
+           f"draft-model forward per draft position over the drafting decodes, at forwards timed in the same "
+           f"run.", ""]
+    rows = []
+    for batch, data in spec["batches"].items():
+        rows.append([batch, "none", f"{data['plain']['decode_tok_s']:.1f}", "1.00", "", "", "", "yes"])
+        for name, run in data["drafters"].items():
+            accepted = run["accepted_tokens"] / run["draft_tokens"] if run["draft_tokens"] else 0.0
+            rows.append([batch, name, f"{run['decode_tok_s']:.1f}", f"{run['tokens_per_step'] / int(batch):.2f}",
+                         f"{accepted:.0%}", f"{run['speedup']:.2f}", f"{run['predicted_speedup']:.2f}",
+                         "yes" if run["same_answers"] else "**no**"])
+    return out + _table(["batch", "drafter", "tok/s", "tokens per request and step", "draft tokens accepted",
+                         "speed-up", "predicted", "same answers"], rows)
+
+
+def _speculation_one_drafter(spec: dict) -> list[str]:
+    """A run from before the draft model joined the scenario: prompt lookup against the roofline."""
     out = ["## Speculative decoding", "",
            f"Prompts of a {spec['phrase_tokens']}-token phrase said {spec['repeats']} times, greedy, fast mode, "
            f"prompt lookup of {spec['num_speculative_tokens']} tokens; an engine speculating and one not, stepping "

@@ -251,7 +251,7 @@ def run_bench(model: Model, args: BenchSettings) -> dict:
     reference = run_reference(model.path, *refresh, args.max_tokens) if refresh else None
     suite = run_suite(args.examples) if "suite" in args.scenarios else None
     faults = run_faults(args.runs, args.examples, args.faults) if "faults" in args.scenarios else None
-    speculation = run_speculation(model, args.sweep, args.new_tokens, Roofline.of(model.config, before)) \
+    speculation = run_speculation(model, args.sweep, args.new_tokens) \
         if "speculation" in args.scenarios else None
     llama_cpp = (run_llama_cpp(model, args.llama_server, args.gguf, args.sweep, args.prompt_len, args.new_tokens,
                                modes, args.rounds) if "llama-cpp" in args.scenarios else None)

@@ -5,11 +5,13 @@ occurrence of the last n tokens, longest n first, and propose the tokens that fo
 model is a smaller model with the same vocabulary, decoding ahead of the target: greedily for a greedy
 request, for a seeded one drawing from its own distribution, which verification then takes into account.
 
-Either is a function of the request's own tokens alone: the draft model runs one request at a time,
-row by row (invariant kernels), on KV of its own. So a request proposes the same drafts batched or
-alone, which is what lets the suite hold a speculating engine to "same answer as alone"
-(suite/test_speculation.py). A drafter is asked for a decode's drafts as the scheduler schedules it,
-told how many were verified, and told to forget a request that leaves the running batch.
+Either is a function of the request's own tokens alone: the draft model runs every drafting request's
+rows in one forward per draft position, on invariant kernels (a row is the same bits batched or alone)
+and on KV of its own. So a request proposes the same drafts batched or alone, which is what lets the
+suite hold a speculating engine to "same answer as alone" (suite/test_speculation.py). A drafter is
+asked, as the scheduler schedules a decode, how many drafts it will verify (`reserve`), then once the
+step is scheduled for all of them at once (`propose`); it is told how many were verified, and told to
+forget a request that leaves the running batch.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..model import Model, load_model
 from ..sampling import greedy_token, pick_token, sampling_distribution, token_uniform
 from .block_manager import BlockManager, BlockTable
 from .config import EngineConfig
+from .faults import Fault
 from .model_runner import ModelRunner
 from .scheduler import ScheduledChunk
 
@@ -44,8 +47,13 @@ class PromptLookup:
     def __init__(self, config: EngineConfig):
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, seq, k: int) -> list[int]:
-        return prompt_lookup(seq.token_ids, k, *self.lookup)
+    def reserve(self, seq, room: int) -> int:
+        """How many drafts the decode of `seq` will verify: what the lookup finds, up to `room`."""
+        return len(prompt_lookup(seq.token_ids, room, *self.lookup))
+
+    def propose(self, requests: list[tuple]) -> list[list[int]]:
+        """Each (seq, k)'s k drafts: the lookup again (the same tokens, the same find)."""
+        return [prompt_lookup(seq.token_ids, k, *self.lookup) for seq, k in requests]
 
     def draft_probs(self, seq, j: int) -> None:
         """The distribution draft j was drawn from: none, it is proposed with certainty."""
@@ -78,7 +86,7 @@ class DraftModel:
     tokens. The
     pool shares nothing (requests the target's prefix cache or forks let share blocks hold copies here),
     so where it runs short the request that proposed least recently gives its table back and computes it
-    again when it next proposes: the same KV, row by row, so the same drafts."""
+    again when it next proposes: the same KV (invariant kernels), so the same drafts."""
 
     def __init__(self, config: EngineConfig, vocab_size: int):
         try:
@@ -98,32 +106,64 @@ class DraftModel:
         self.tables: dict[str, BlockTable] = {}
         self.computed: dict[str, int] = {}
         self.probs: dict[str, list] = {}  # a seeded request's last drafts' distributions, over the vocabulary
+        self._draft_distribution = _untempered if config.injected is Fault.DRAFT_PROBS_UNTEMPERED else _drawn_from
 
-    def propose(self, seq, k: int) -> list[int]:
-        """k drafts: the tokens the draft model has not seen yet in one chunk, then one per draft."""
+    def reserve(self, seq, room: int) -> int:
+        """How many drafts the decode of `seq` will verify, with room for `room`: all of them."""
+        return room
+
+    def propose(self, requests: list[tuple]) -> list[list[int]]:
+        """Each (seq, k)'s k drafts. Every request's rows go into one forward per draft position: first
+        each one's tokens the draft model has not seen yet, a chunk each, then a row each per draft
+        (invariant kernels: a request's rows are its own, batched or alone). Requests whose tables the
+        pool cannot hold together run in turns."""
+        drafts, group = {}, []
+        for seq, k in requests:
+            if not self._make_room(seq, k, group):
+                self._draft(group, drafts)
+                group = []
+                self._make_room(seq, k, group)  # alone it fits: the pool holds one request of the longest
+            group.append((seq, k))
+        self._draft(group, drafts)
+        return [drafts[seq.request_id] for seq, _ in requests]
+
+    def _make_room(self, seq, k: int, group: list[tuple]) -> bool:
+        """Grow the table of `seq` to its tokens and k - 1 drafts (the last draft is never fed), giving back
+        the tables of the least recently proposing requests outside `group`; False where only the
+        group's are left to give back."""
         table = self.tables.pop(seq.request_id, None) or BlockTable(seq.request_id)
-        tokens, drafts = seq.token_ids, []
-        while not self.blocks.can_allocate(table, len(tokens) + k - 1):
-            self._forget(next(iter(self.tables)))  # the least recently proposing request's
         self.tables[seq.request_id] = table  # the most recent
-        self.blocks.allocate(table, len(tokens) + k - 1)
-        start, params, probs = self.computed.get(seq.request_id, 0), seq.params, []
-        for j in range(k):
-            end = len(tokens) + j
-            chunk = ScheduledChunk(_Ahead(tokens + drafts, table), start, end - start, "prefill", True)
-            row = self.runner.execute([chunk], self.blocks)[0]
-            if params.greedy:
-                drafts.append(greedy_token(row))
-            else:
+        busy = {s.request_id for s, _ in group} | {seq.request_id}
+        while not self.blocks.can_allocate(table, len(seq.token_ids) + k - 1):
+            idle = next((request_id for request_id in self.tables if request_id not in busy), None)
+            if idle is None:
+                return False
+            self._forget(idle)
+        self.blocks.allocate(table, len(seq.token_ids) + k - 1)
+        return True
+
+    def _draft(self, group: list[tuple], drafts: dict[str, list[int]]) -> None:
+        """Draft position j of every request of `group` drafting more than j, one forward per position."""
+        for seq, _ in group:
+            drafts[seq.request_id], self.probs[seq.request_id] = [], []
+        for j in range(max((k for _, k in group), default=0)):
+            live = [seq for seq, k in group if k > j]
+            chunks = []
+            for seq in live:
+                start, end = self.computed.get(seq.request_id, 0), len(seq.token_ids) + j
+                chunks.append(ScheduledChunk(_Ahead(seq.token_ids + drafts[seq.request_id],
+                                                    self.tables[seq.request_id]), start, end - start, "prefill",
+                                             True))
+                self.computed[seq.request_id] = end
+            for seq, row in zip(live, self.runner.execute(chunks, self.blocks)):
+                params = seq.params
+                if params.greedy:
+                    drafts[seq.request_id].append(greedy_token(row))
+                    continue
                 order, kept = sampling_distribution(row, params)
-                q = np.zeros(len(row))
-                q[order[:len(kept)]] = kept
-                drafts.append(pick_token(order, kept, token_uniform(params.seed, len(seq.output_ids) + j, draw=2)))
-                probs.append(q)
-            start = end
-        self.computed[seq.request_id] = len(tokens) + k - 1
-        self.probs[seq.request_id] = probs
-        return drafts
+                drafts[seq.request_id].append(
+                    pick_token(order, kept, token_uniform(params.seed, len(seq.output_ids) + j, draw=2)))
+                self.probs[seq.request_id].append(self._draft_distribution(row, order, kept))
 
     def draft_probs(self, seq, j: int) -> np.ndarray | None:
         """The distribution draft j of its last proposal was drawn from: None for a greedy request's."""
@@ -148,6 +188,19 @@ class DraftModel:
         if table is not None:
             self.blocks.free(table)
         self.computed.pop(request_id, None)
+
+
+def _drawn_from(row, order, kept) -> np.ndarray:
+    """The distribution a seeded draft was drawn from, over the vocabulary: `kept`'s mass at `order`."""
+    q = np.zeros(len(row))
+    q[order[:len(kept)]] = kept
+    return q
+
+
+def _untempered(row, order, kept) -> np.ndarray:  # Fault.DRAFT_PROBS_UNTEMPERED
+    """The draft row's plain softmax: no temperature, top-k or top-p, unlike the draw it prices."""
+    shifted = np.exp(row.astype(np.float64) - row.max())
+    return shifted / shifted.sum()
 
 
 def drafter(config: EngineConfig, vocab_size: int) -> PromptLookup | DraftModel | None:

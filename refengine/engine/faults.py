@@ -63,6 +63,7 @@ class Fault(Enum):
     REJECTED_DRAFT_BLOCKS_KEPT = "rejected-draft-blocks-kept"
     REJECTION_RESAMPLES_TARGET = "rejection-resamples-target"
     DRAFT_POSITIONS_OFF_ON_JOIN = "draft-positions-off-on-join"
+    DRAFT_PROBS_UNTEMPERED = "draft-probs-untempered"
 
 
 DESCRIPTIONS = {
@@ -213,6 +214,11 @@ DESCRIPTIONS = {
     Fault.DRAFT_POSITIONS_OFF_ON_JOIN:
         "speculative decoding: the draft tokens of a request that is not the step's first chunk get RoPE "
         "positions one too low (counted from its input token instead of after it); alone it is right",
+    Fault.DRAFT_PROBS_UNTEMPERED:
+        "speculative decoding with a draft model, seeded sampling: the draft's probability that verification "
+        "divides by (and the residual subtracts) is the draft model's plain softmax, without the request's "
+        "temperature, top-k and top-p that the draft was drawn under: drafts are accepted at the wrong rate, "
+        "every token still one the target could draw, so only a distribution test sees it",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

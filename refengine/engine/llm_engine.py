@@ -188,7 +188,7 @@ class LLMEngine:
         for seq in self._pending_aborts:
             seq.final_events += 1
         aborted, self._pending_aborts = [s.request_id for s in self._pending_aborts], []
-        output = self.scheduler.schedule()
+        output = self.scheduler.draft(self.scheduler.schedule())
         self._release_penalty_rows()
         kv_blocks_used = self.block_manager.num_used_blocks
         sampling = [c for c in output.chunks if c.samples]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import RefengineError
 from .block_manager import BlockManager, block_hashes
@@ -34,6 +34,7 @@ from .faults import Fault
 from .sequence import Sequence, SequenceStatus
 
 WAIT = object()  # _fork_source: a sibling still computes the tokens to fork
+UNDRAFTED = -1  # a draft token `schedule` leaves for `draft` to propose
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,13 @@ class Scheduler:
         index, waits = 0, False
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_tokens = min(self._remaining(seq), budget)
-            draft = self._draft(seq) if self.num_speculative_tokens else ()
-            if num_tokens + len(draft) > budget:  # a verifying decode runs whole or waits: its drafts are its own
+            num_tokens = min(self._remaining(seq) - self._short(seq), budget)
+            drafts = self._reserve(seq) if self.num_speculative_tokens else 0
+            if num_tokens + drafts > budget:  # a verifying decode runs whole or waits: its drafts are its own
                 waits = True
                 break
             while not self.block_manager.can_allocate(seq.block_table,
-                                                      seq.num_computed_tokens + num_tokens + len(draft)):
+                                                      seq.num_computed_tokens + num_tokens + drafts):
                 victim = self.running.pop()
                 self.preempt(victim)
                 preempted.append(victim)
@@ -139,8 +140,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            chunks.append(self._allocate(seq, num_tokens, draft))
-            budget -= num_tokens + len(draft)
+            chunks.append(self._allocate(seq, num_tokens, drafts))
+            budget -= num_tokens + drafts
             index += 1
         copies: list[tuple[int, int]] = []
         while not preempted and not waits and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -155,7 +156,7 @@ class Scheduler:
                 cached = len(hit) * self.block_manager.block_size
                 if self._drop_last_hit:  # Fault.CACHED_PREFIX_LAST_BLOCK_DROPPED: its tokens still count as cached
                     hit = hit[:-1]
-            num_tokens = min(self._remaining(seq) - cached, budget)
+            num_tokens = min(self._remaining(seq) - cached - self._short(seq), budget)
             if self.block_manager.num_new_blocks(seq.block_table, cached + num_tokens) - len(hit) > \
                     self.block_manager.num_free_after_hit(hit):
                 break
@@ -205,15 +206,33 @@ class Scheduler:
             return sorted(chunks, key=lambda c: hashlib.sha256((salt + c.seq.request_id).encode()).digest())
         return chunks
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """(draft) The draft tokens a running sequence's decode verifies (engine/drafter.py: prompt lookup in
+    def _reserve(self, seq: Sequence) -> int:
+        """How many draft tokens a running sequence's decode verifies (engine/drafter.py: prompt lookup in
         its own tokens, or a draft model), up to num_speculative_tokens, always leaving room for the token
-        its last verification row yields. Proposed here, where the decode's tokens are decided, so the
-        budget and the blocks are exactly what it feeds."""
+        its last verification row yields. Decided here, with the decode's tokens, so the budget and the
+        blocks are exactly what it feeds."""
         if self._remaining(seq) != 1 or not seq.output_ids:
-            return []
+            return 0
         room = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
-        return self.drafter.propose(seq, room) if room > 0 else []
+        return self.drafter.reserve(seq, room) if room > 0 else 0
+
+    def draft(self, output: SchedulerOutput) -> SchedulerOutput:
+        """(draft) The scheduled step with its verifying decodes' draft tokens, proposed for all of them at
+        once (a draft model runs them in one forward per draft position)."""
+        verifying = [c for c in output.chunks if c.draft]
+        if not verifying:
+            return output
+        proposed = dict(zip((c.seq.request_id for c in verifying),
+                            self.drafter.propose([(c.seq, len(c.draft)) for c in verifying])))
+        return replace(output, chunks=[replace(c, draft=tuple(proposed[c.seq.request_id])) if c.draft else c
+                                       for c in output.chunks])
+
+    def _short(self, seq: Sequence) -> int:
+        """1 where a speculating request resumed after a preemption still has more than its last token to
+        recompute: it recomputes all but that one, which then runs as the decode it would have been
+        without the preemption, drafts and all. So which of its tokens are verified, and with them a
+        seeded request's answer, do not depend on preemptions (suite: chunking-consistency); else 0."""
+        return int(bool(self.num_speculative_tokens and seq.output_ids) and self._remaining(seq) > 1)
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens to compute before the sequence samples again (after a preemption: prompt + generated)."""
@@ -228,7 +247,7 @@ class Scheduler:
         sequence whose prompt logprobs are still to be scored (a cached position computes no row to score)."""
         if not self.block_manager.enable_caching or not self._looks_up(seq):
             return []
-        return self.block_manager.cached_prefix(self._hashes(seq, seq.num_tokens - 1))
+        return self.block_manager.cached_prefix(self._hashes(seq, seq.num_tokens - 1 - self._short(seq)))
 
     def _chained_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         return seq.block_hashes(num_tokens, self.block_manager.block_size)
@@ -250,12 +269,14 @@ class Scheduler:
         if seq.num_cached_tokens is None:  # its first admission: what the request is told (usage)
             seq.num_cached_tokens = cached
 
-    def _allocate(self, seq: Sequence, num_tokens: int, draft: list[int] = ()) -> ScheduledChunk:
+    def _allocate(self, seq: Sequence, num_tokens: int, drafts: int = 0) -> ScheduledChunk:
+        """The chunk, its blocks allocated; a verifying decode's `drafts` tokens are placeholders (UNDRAFTED)
+        until `draft` proposes them."""
         start = seq.num_computed_tokens
-        self.block_manager.allocate(seq.block_table, start + num_tokens + len(draft))
+        self.block_manager.allocate(seq.block_table, start + num_tokens + drafts)
         phase = "decode" if seq.is_decode(start, num_tokens) else "prefill"
-        return ScheduledChunk(seq, start, num_tokens + len(draft), phase, start + num_tokens == seq.num_tokens,
-                              tuple(draft))
+        return ScheduledChunk(seq, start, num_tokens + drafts, phase, start + num_tokens == seq.num_tokens,
+                              (UNDRAFTED,) * drafts)
 
     def preempt(self, seq: Sequence) -> None:
         freed = list(seq.block_table.block_ids)

@@ -265,3 +265,35 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, d
     return write_folder(Path(out_dir), spec, tokenizer, random_weights(spec, seed), recipe_name=TINY_RECIPE,
                         recipe={"seed": seed, "dtype": dtype, "shards": shards, **spec.recipe()},
                         dtype=dtype, shards=shards)
+
+
+def first_layers(source: str | Path, out: str | Path, layers: int) -> Path:
+    """`source`'s first `layers` decoder layers with its embedding, final norm, head and tokenizer: a
+    draft model that needs no training (layer skipping cut at the end, as self-speculative decoding
+    drafts), whose vocabulary is the target's by construction. Float32, one file."""
+    from .config import load_config  # the folder's validated config, only where a folder is cut
+    from .weights import Checkpoint
+
+    source, out = Path(source), Path(out)
+    cfg = load_config(source)
+    if cfg.arch not in ARCHITECTURES or cfg.sparse_layers:
+        raise RefengineError(f"{source}: only a dense text model can be cut to its first layers (arch {cfg.arch})")
+    if not 1 <= layers <= cfg.num_layers:
+        raise RefengineError(f"layers: {layers} is not in 1..{cfg.num_layers}, the layers of {source}")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (INDEX_FILE, "config.json"):
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):  # newer transformers list a type per layer
+        config["layer_types"] = config["layer_types"][:layers]
+    config["torch_dtype"] = "float32"
+    _write_json(out / "config.json", config)
+    checkpoint = Checkpoint(source, cfg)
+    kept = [name for name in sorted(checkpoint.sources)
+            if not name.startswith(f"{cfg.weight_prefix}layers.")
+            or int(name[len(f"{cfg.weight_prefix}layers."):].split(".")[0]) < layers]
+    write_weights(out, [(name, checkpoint.sources[name].tensors[name][1],
+                         lambda name=name: checkpoint.tensor(name, np.float32)) for name in kept], "F32", 1)
+    return out

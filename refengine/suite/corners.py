@@ -66,6 +66,12 @@ CORNERS = {  # property -> {situation: schedule}
             {"id": "r0", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 8},
             {"id": "r1", "prompt_ids": [4] * 8, "arrival_step": 0, "max_tokens": 8}]},
     },
+    "finish-semantics": {
+        # an abort that arrives after the request finished by max_tokens, before the run ends
+        "aborted-after-it-finished": {"engine": _engine(block_size=2, num_blocks=8), "requests": [
+            {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 2, "abort_step": 4},
+            {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 8}]},
+    },
     "prefix-caching-is-exact": {
         "hit-on-a-running-prompt": {"engine": _engine(block_size=1, num_blocks=6, enable_prefix_caching=True),
                                     "requests": [

@@ -108,6 +108,7 @@ CAUGHT_BY = {
     "rejected-draft-blocks-kept": "speculation-changes-no-greedy-answer",
     "rejection-resamples-target": "speculative-sampling-distribution",  # not schedule-shaped: tests/test_speculation.py
     "draft-positions-off-on-join": "invariant-mode-is-exact",
+    "draft-probs-untempered": "speculative-sampling-distribution",  # not schedule-shaped: tests/test_speculation.py
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached":

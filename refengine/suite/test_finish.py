@@ -25,6 +25,7 @@ from ..check.driver import configured, run_batched
 from ..check.schedule import parse_schedule
 from ..errors import RefengineError
 from ..strategies import tiny_model, tiny_model_names
+from .corners import with_corners
 from .harness import any_mode_schedules, fail, observe
 
 pytestmark = pytest.mark.invariants
@@ -119,11 +120,13 @@ def check_finish(name: str, model_name: str, schedule: dict, fault: str | None =
     return engine
 
 
+@with_corners(NAME)
 @given(model=tiny_model_names(), schedule=finish_schedules())
 def test_one_final_event_per_request_and_aborts_after_finish_change_nothing(model, schedule):
     check_finish(NAME, model, schedule)
 
 
+@with_corners(NAME)
 @given(model=tiny_model_names(), schedule=finish_schedules())
 def test_aborting_finished_requests_is_a_no_op(model, schedule):
     engine = check_finish(NAME, model, schedule)

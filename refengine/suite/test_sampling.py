@@ -38,7 +38,7 @@ from ..engine.sequence import Sequence
 from ..reference import adjusted_logits, prompt_logits
 from ..sampling import SamplingParams, top2_margin
 from ..strategies import SAMPLERS, schedules, seeded, tiny_model_names
-from ..strategies.engine_settings import MODES
+from ..strategies.engine_settings import MODES, draft_model_dir
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE, tiny_model
 from ..strategies.schedules import MAX_REQUESTS
 from .harness import PropertyFailure, coverage
@@ -144,17 +144,23 @@ def first_token_rows(model_name: str = DEFAULT_MODEL):
 
 def check_first_token_distribution(sampler: dict, fault: str | None = None, model_name: str = DEFAULT_MODEL,
                                    draws: int = DRAWS, alpha: float = ALPHA, repeats: bool = False,
-                                   draft_rank: int | None = None):
+                                   draft_rank: int | None = None, draft_model: str | None = None):
     """The engine's first-token draws under seeds 0..draws-1 against the oracle's target (see module).
     A sampler may carry logits processors (PROCESSED_SAMPLERS); with `repeats`, the draw is judged as if
     the request had already generated its row's two likeliest tokens, the first of them twice (so the
     frequency and presence penalties have counts to act on): the engine's own per-request rows
     (engine/penalties.py) against reference.adjusted_logits. With `draft_rank` the row verifies a draft
     token, the reference row's likeliest but `draft_rank` (speculative decoding, engine.verify_token):
-    what it emits must have the same distribution."""
+    what it emits must have the same distribution. With `draft_model` each seed's draft is a draft
+    model's, drawn from its own distribution q under the sampler and verified against q: "self", the
+    model itself (q is p: a good draft's overlap), or "draft", the strategies' draft model
+    (strategies.engine_settings.draft_model_dir: q far from p, most drafts replaced from the residual)."""
     prompt, row, want = first_token_rows(model_name)
     model = tiny_model(model_name)
-    engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1, max_model_len=64, fault=fault))
+    speculation = dict(num_speculative_tokens=1, speculative_model=str(model.path) if draft_model == "self"
+                       else draft_model_dir()) if draft_model else {}
+    engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=1, max_model_len=64, fault=fault,
+                                           **speculation))
     params = SamplingParams(max_tokens=8, seed=0, **sampler)
     generated = [int(t) for t in np.argsort(-want, kind="stable")[[0, 1, 0]]] if repeats else []
     if params.processes_logits:
@@ -163,7 +169,9 @@ def check_first_token_distribution(sampler: dict, fault: str | None = None, mode
         engine.penalties.add(seq)
         row = engine.penalties.apply([seq], row[None])[0]
         want = adjusted_logits(want, prompt, generated, params, model.config.eos_token_ids)
-    if draft_rank is None:
+    if draft_model:
+        tokens = [_verify_drafted(engine, prompt, row, replace(params, seed=seed)) for seed in range(draws)]
+    elif draft_rank is None:
         tokens = [engine.choose_token(row, replace(params, seed=seed), len(generated)) for seed in range(draws)]
     else:
         draft = int(np.argsort(-want, kind="stable")[draft_rank])
@@ -172,12 +180,25 @@ def check_first_token_distribution(sampler: dict, fault: str | None = None, mode
     fit = goodness_of_fit(tokens, target)
     if not fit.passed(alpha):
         after = (f" after {generated}" if generated else "") + \
-            (f", verifying draft token {draft}" if draft_rank is not None else "")
+            (f", verifying draft token {draft}" if draft_rank is not None else "") + \
+            (f", verifying draft model {draft_model!r}'s draws" if draft_model else "")
         faulty = f" (fault {fault})" if fault else ""
         raise PropertyFailure(f"{DISTRIBUTION} does not hold on model {model_name}{faulty}"
                               f": {draws} draws of prompt {prompt}{after} with {sampler} (seeds 0..{draws - 1}) "
                               f"do not fit the float64 target (alpha {alpha:g}): {fit.describe()}")
     return fit
+
+
+def _verify_drafted(engine: LLMEngine, prompt: list[int], row, params: SamplingParams) -> int:
+    """The first token a request of `params` gets from verification row `row` (its target logits)
+    where the engine's draft model proposed it one token: drawn by the drafter, verified against the
+    distribution the drafter says it drew from."""
+    drafter = engine.scheduler.drafter
+    seq = Sequence("r0", prompt, params, engine.model.tokenizer.detokenizer(), 0)
+    (draft,), = drafter.propose([(seq, 1)])
+    q = drafter.draft_probs(seq, 0)
+    drafter.forget(seq)
+    return engine.verify_token(row, params, 0, draft, q)
 
 
 @given(model=tiny_model_names(), schedule=sampled_schedules)

@@ -11,7 +11,10 @@ give back is what it would give without speculating:
 - seeded sampling: a verification row emits the draft with probability p(draft), else a draw from the
   residual; what it emits must be distributed as the target: for each sampler, the first-token draws of
   seeds 0..DRAWS-1 verifying the row's likeliest token (and, for the top-k 2 samplers, its second) fit
-  the float64 target (the sampling-distribution property's test, through engine.verify_token).
+  the float64 target (the sampling-distribution property's test, through engine.verify_token); and so
+  must what it emits from a draft model's own draws (the model itself, or the strategies' draft model),
+  each verified against the distribution the draft model drew it from (accepted with min(1, p/q), else
+  replaced from max(p - q, 0)).
 - every speculating run, in every property (check.replay): what each verifying decode says it
   accepted is what its request received, and the engine's counters sum the same (check.speculation).
 Batched == alone with speculation on is invariant-mode-is-exact's, whose engine settings speculate in
@@ -60,3 +63,13 @@ VERIFIED = [(s, 0) for s in SAMPLERS] + [(s, 1) for s in SAMPLERS if s["top_k"] 
                          f"draft{v}")
 def test_a_verified_token_is_distributed_as_the_target(sampler, draft_rank):
     check_first_token_distribution(sampler, draft_rank=draft_rank)
+
+
+# every sampler with the model as its own draft model; the untruncated ones with the strategies' draft model
+DRAWN = [(s, "self") for s in SAMPLERS] + [(s, "draft") for s in SAMPLERS if s["top_p"] == 1.0 and s["top_k"] == 0]
+
+
+@pytest.mark.parametrize("sampler, draft_model", DRAWN,
+                         ids=lambda v: "T{temperature}-k{top_k}-p{top_p}".format(**v) if isinstance(v, dict) else v)
+def test_a_draft_models_draw_verified_is_distributed_as_the_target(sampler, draft_model):
+    check_first_token_distribution(sampler, draft_model=draft_model)

@@ -3,7 +3,8 @@
 It starts with 1-3 requests; rules add more, abort any of them (finished ones too) and step the
 engine, on tiny pools, budgets and block sizes, under any scheduling policy (the order of a step's
 chunks: fcfs, prefill-first, shuffled), with prefix caching on or off, speculating 0-3 draft tokens by
-prompt lookup (the tiny models' answers repeat themselves: drafts are found, accepted and rejected); an
+prompt lookup (the tiny models' answers repeat themselves: drafts are found, accepted and rejected) or,
+in a second machine, by a draft model (its own KV pool, all given back when every request has ended); an
 added request may start
 with an earlier one's first tokens, may carry a cache_salt, may ask for 2 or 3 answers (n: children
 forking a sibling's prompt blocks) and for its prompt's logprobs (no cache hits while it scores them).
@@ -45,7 +46,7 @@ from ..engine import EngineConfig, LLMEngine
 from ..engine.block_manager import block_hashes, salt_root
 from ..sampling import SamplingParams
 from ..strategies import MAX_PROMPT_LEN, MAX_TOKENS, tiny_model
-from ..strategies.engine_settings import scheduling_policies
+from ..strategies.engine_settings import draft_model_dir, scheduling_policies
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE
 from ..strategies.shared_prefixes import SALTS
 from .harness import fail, observe
@@ -56,6 +57,7 @@ NAME = "scheduler-kv-state-machine"
 
 class SchedulerKVMachine(RuleBasedStateMachine):
     fault: str | None = None  # the fault-catalog test runs a subclass with a fault switched on
+    by_draft_model = False  # speculate by prompt lookup; a subclass speculates by the draft model
 
     @initialize(max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), block_size=st.integers(1, 8),
                 num_blocks=st.integers(2, 12), first_requests=st.integers(1, 3), policy=scheduling_policies(),
@@ -65,6 +67,8 @@ class SchedulerKVMachine(RuleBasedStateMachine):
                     "block_size": block_size, "num_blocks": num_blocks, "max_model_len": 128,
                     "scheduling_policy": policy[0], "scheduling_seed": policy[1], "enable_prefix_caching": caching,
                     "num_speculative_tokens": min(speculative, budget - 1)}
+        if settings["num_speculative_tokens"] and self.by_draft_model:
+            settings["speculative_model"] = draft_model_dir()
         self.engine = LLMEngine(tiny_model(), EngineConfig(**settings, fault=self.fault))
         self.evicted: set[int] = set()  # the registered blocks the engine evicted (unregistered) in the last step
         self.engine.block_manager._evict = self.observed(self.engine.block_manager)
@@ -244,9 +248,22 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.check(not problems, "speculative decoding: " + "; ".join(problems))
         used = self.engine.block_manager.num_used_blocks
         self.check(used == 0, f"every request finished but {used} KV blocks are still in use")
+        drafter = self.engine.scheduler.drafter
+        held = getattr(drafter, "blocks", None) and drafter.blocks.num_used_blocks
+        self.check(not held, f"every request finished but the draft model still holds {held} KV blocks")
 
 
 class TestSchedulerKVMachine(SchedulerKVMachine.TestCase):
+    pytestmark = pytest.mark.invariants
+
+
+class DraftModelKVMachine(SchedulerKVMachine):
+    """The same machine speculating by the draft model: its own machine, so the draws of the one above
+    (and the catches the fault catalog's tests derandomize) stay what they were."""
+    by_draft_model = True
+
+
+class TestDraftModelKVMachine(DraftModelKVMachine.TestCase):
     pytestmark = pytest.mark.invariants
 
 
