@@ -21,6 +21,7 @@ import numpy as np
 
 from .model import Model, ModelConfig
 from .model.routing import top_k
+from .model.vision import mrope_stream
 from .model.weights import LayerWeights, StreamedWeights, Weights, row_blocks
 from .sampling import (
     PromptLogprob,
@@ -50,12 +51,25 @@ def rope_angles(positions, head_dim, theta):  # -> [seq, head_dim]
     return np.concatenate([angles, angles], axis=-1)                                     # [seq, head_dim]
 
 
-def apply_rope(x, positions, theta):  # x [seq, heads, head_dim]
-    angles = rope_angles(positions, x.shape[-1], theta)[:, None, :]  # [seq, 1, head_dim]
+def mrope_angles(positions, head_dim, theta, section):  # positions [3, seq] (t, h, w) -> [seq, head_dim]
+    """Qwen3-VL's multimodal RoPE: each frequency turns by the position of one stream (mrope_stream's
+    interleaved layout). With the three streams equal (text) these are rope_angles exactly."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
+    stream = mrope_stream(head_dim, section)                                             # [head_dim/2]
+    angles = np.asarray(positions)[stream].T * inv_freq                                  # [seq, head_dim/2]
+    return np.concatenate([angles, angles], axis=-1)                                     # [seq, head_dim]
+
+
+def apply_rotary(x, angles):  # x [seq, heads, head_dim], angles [seq, head_dim]
+    angles = angles[:, None, :]                                                # [seq, 1, head_dim]
     cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)  # in x's precision
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: [seq, heads, head_dim]
     return x * cos + rotated * sin
+
+
+def apply_rope(x, positions, theta):  # x [seq, heads, head_dim]
+    return apply_rotary(x, rope_angles(positions, x.shape[-1], theta))
 
 
 def linear(x, weight, bias=None):  # x [seq, in], weight [out, in] -> [seq, out]
@@ -101,9 +115,12 @@ class KVCache:
         return self.keys[layer], self.values[layer]
 
 
-def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions):
+def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions,
+                    angles=None):
     """x [tokens, hidden]: the rows of every sequence of `caches` in turn, positions[i] [seq_i] the
-    i-th's. The projections take every row in one product; attention is each sequence's own."""
+    i-th's. The projections take every row in one product; attention is each sequence's own.
+    `angles` [tokens, head_dim], where given, are the RoPE angles in place of the positions' own
+    (multimodal RoPE: the rotation and the causal order then no longer follow the same numbers)."""
     tokens = x.shape[0]
     q = linear(x, w.q_proj, w.q_bias).reshape(tokens, cfg.num_heads, cfg.head_dim)     # [tokens, n_heads, hd]
     k = linear(x, w.k_proj, w.k_bias).reshape(tokens, cfg.num_kv_heads, cfg.head_dim)  # [tokens, n_kv_heads, hd]
@@ -111,8 +128,10 @@ def attention_block(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: li
     if cfg.qk_norm:
         q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    q = apply_rope(q, np.concatenate(positions), cfg.rope_theta)
-    k = apply_rope(k, np.concatenate(positions), cfg.rope_theta)
+    if angles is None:
+        angles = rope_angles(np.concatenate(positions), cfg.head_dim, cfg.rope_theta)  # [tokens, head_dim]
+    q = apply_rotary(q, angles)
+    k = apply_rotary(k, angles)
     bounds = np.cumsum([0] + [len(p) for p in positions])
     out = [causal_attention(q[lo:hi], *cache.extend(layer, k[lo:hi], v[lo:hi]), pos)    # [seq_i, n_heads, hd]
            for cache, pos, lo, hi in zip(caches, positions, bounds[:-1], bounds[1:])]
@@ -143,9 +162,10 @@ def moe_block(x, w: LayerWeights, cfg: ModelConfig):  # x [tokens, hidden]
     return out
 
 
-def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions):
+def decoder_layer(x, w: LayerWeights, cfg: ModelConfig, layer: int, caches: list[KVCache], positions,
+                  angles=None):
     """x [tokens, hidden]: the rows of every sequence of `caches` in turn (attention_block)."""
-    x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, caches, positions)
+    x = x + attention_block(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w, cfg, layer, caches, positions, angles)
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)                                      # [tokens, hidden]
     return x + (moe_block(h, w, cfg) if layer in cfg.sparse_layers else mlp_block(h, w))  # [tokens, hidden]
 
@@ -170,6 +190,21 @@ def final_hidden(weights: Weights | StreamedWeights, cfg: ModelConfig, ids, cach
     """The final-normed hidden states [len(ids), hidden] for `ids` following the cache's positions;
     extends the cache."""
     return final_hidden_lockstep(weights, cfg, [(ids, cache)])[0]
+
+
+def final_hidden_with_images(weights: Weights | StreamedWeights, cfg: ModelConfig, x, cache: KVCache, angles,
+                             image_rows, deepstack):
+    """Qwen3-VL's language model on input embeddings x [seq, hidden] (the image rows already the
+    tower's embeddings) following the cache: RoPE by `angles` [seq, head_dim] (mrope_angles), and
+    after decoder layer n < len(deepstack) the image rows get deepstack[n] [images' tokens, hidden]
+    added (DeepStack: the tower's earlier blocks fed into the first layers). Final-normed hidden
+    states [seq, hidden]; extends the cache."""
+    positions = [cache.length + np.arange(len(x))]  # the causal order: cache indices, not RoPE positions
+    for layer, w in enumerate(weights.layers):
+        x = decoder_layer(x, w, cfg, layer, [cache], positions, angles)   # [seq, hidden]
+        if layer < len(deepstack):
+            x[image_rows] += deepstack[layer]
+    return rms_norm(x, weights.norm, cfg.rms_norm_eps)                     # [seq, hidden]
 
 
 def output_head(weights: Weights | StreamedWeights, h):  # h [rows, hidden] -> logits [rows, vocab]

@@ -23,6 +23,7 @@ def loaded_after(module: str) -> set[str]:
 @pytest.mark.parametrize("module, allowed", [
     ("refengine.model", {"model"}),
     ("refengine.reference", {"model", "reference"}),
+    ("refengine.vision_reference", {"model", "reference"}),
     ("refengine.engine", {"model", "engine"}),
     ("refengine.check.replay", {"model", "reference", "engine", "check"}),
     ("refengine.validate.board", {"model", "reference", "check", "validate"}),

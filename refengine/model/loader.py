@@ -15,7 +15,9 @@ import numpy as np
 
 from ..errors import RefengineError
 from .config import ModelConfig, load_config
+from .image import ImageProcessorConfig, load_image_processor_config
 from .tokenizer import Tokenizer
+from .vision import VisionConfig, VisionWeights, load_vision_config, load_vision_weights
 from .weights import Checkpoint, StreamedWeights, Weights
 
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -77,6 +79,7 @@ class Model:
         self.checkpoint = Checkpoint(self.path, self.config)
         self.tokenizer = Tokenizer(self.path)
         self._weights: dict[np.dtype, Weights] = {}
+        self._vision_weights: dict[np.dtype, VisionWeights] = {}
         self._lock = threading.Lock()
 
     def weights(self, dtype=np.float32) -> Weights:
@@ -99,6 +102,25 @@ class Model:
         if cached or size <= STREAM_ABOVE_BYTES or size <= MEMORY_SHARE * available_memory():
             return self.weights(dtype)
         return StreamedWeights.of(self.checkpoint, dtype)
+
+    @cached_property
+    def vision_config(self) -> VisionConfig:
+        """The vision tower's config (Qwen3-VL), read when an image first needs it."""
+        return load_vision_config(self.path, self.config)
+
+    @cached_property
+    def image_processor(self) -> ImageProcessorConfig:
+        v = self.vision_config
+        return load_image_processor_config(self.path, v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+
+    def vision_weights(self, dtype=np.float64) -> VisionWeights:
+        """The vision tower in `dtype`, validated and converted when first asked for, then cached: a
+        text-only request never reads it."""
+        dtype = np.dtype(dtype)
+        with self._lock:
+            if dtype not in self._vision_weights:
+                self._vision_weights[dtype] = load_vision_weights(self.checkpoint, self.vision_config, dtype)
+            return self._vision_weights[dtype]
 
     @cached_property
     def fingerprint(self) -> str:

@@ -53,11 +53,13 @@ def _strftime_now(format):
 
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")  # OpenAI's and transformers' names for an image part
+IMAGE_PAD_TOKEN = "<|image_pad|>"  # what a Qwen3-VL template writes per image; its processor's default
 
 
 def _refuse_images(n: int, message) -> None:
-    """A vision-language checkpoint (Qwen3-VL) loads, but only its language model runs: an image would be
-    silently dropped by a text template, so it is refused by name."""
+    """The text chat path (what the engine and server run) takes no images: an image would be silently
+    dropped by a text template, so it is refused by name. Prompts with images for the float64 reference
+    go through encode_chat_with_images."""
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, list):
         for k, part in enumerate(content):
@@ -160,6 +162,9 @@ class Tokenizer:
             _refuse_images(n, m)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RefengineError(f"messages[{n}]: expected an object with string 'role' and 'content'")
+        return self._render(messages, add_generation_prompt, extra)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
         reserved = [key for key in RESERVED_TEMPLATE_ARGS if key in extra]
         if reserved:
             raise RefengineError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set as a "
@@ -183,6 +188,39 @@ class Tokenizer:
         add_generation_prompt = extra.pop("add_generation_prompt", True)
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
+
+    def encode_chat_with_images(self, messages: list[dict], image_tokens: list[int], /, **extra) -> list[int]:
+        """Token ids of a chat whose messages may hold image parts, as transformers' Qwen3-VL processor
+        makes them: the model's template renders each image part (its content a list of {"type": "text",
+        "text": ...} and {"type": "image", ...} parts) as <|vision_start|><|image_pad|><|vision_end|>,
+        and the k-th <|image_pad|> then stands for image_tokens[k] copies of itself, the k-th image's
+        tokens (VisionConfig.image_tokens of its grid). `extra` as for encode_chat."""
+        if not isinstance(messages, list) or not messages:
+            raise RefengineError("messages: expected a non-empty list of {role, content} objects")
+        for n, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            parts = content if isinstance(content, list) else []
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, (str, list)):
+                raise RefengineError(f"messages[{n}]: expected an object with string 'role' and a string or list "
+                                     f"'content'")
+            for k, part in enumerate(parts):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in IMAGE_PART_TYPES and not (kind == "text" and isinstance(part.get("text"), str)):
+                    raise RefengineError(f"messages[{n}].content[{k}]: expected a text part with a string 'text' "
+                                         f"or an image part ({', '.join(IMAGE_PART_TYPES)})")
+        add_generation_prompt = extra.pop("add_generation_prompt", True)
+        ids = self.encode(self._render(messages, add_generation_prompt, extra), add_special_tokens=False)
+        pad_token = self.special_token("image_token") or IMAGE_PAD_TOKEN
+        pad = self.token_to_id(pad_token)
+        pads = [i for i, token in enumerate(ids) if token == pad]
+        if pad is None or len(pads) != len(image_tokens):
+            raise RefengineError(f"{self.template_path}: the chat template wrote {len(pads)} image placeholders "
+                                 f"({pad_token}) for {len(image_tokens)} images")
+        out, at = [], 0
+        for i, n in zip(pads, image_tokens):
+            out += ids[at:i] + [pad] * n
+            at = i + 1
+        return out + ids[at:]
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)

@@ -1,0 +1,144 @@
+"""The engine's Qwen3-VL vision tower, in float32: an image's patches -> the rows that take its
+placeholder tokens' place in the language model, and the deepstack features added to those rows
+after the first decoder layers.
+
+An image is encoded once per request, before or during the prefill of its placeholder tokens, and
+what it becomes must not depend on which other requests' images happen to be encoded in the same
+step: a request's tokens would otherwise change with the traffic around it, which is exactly what
+the suite looks for. So the unit of work is one image. Its patches go through each weight product
+as one matrix (hundreds to thousands of rows, where BLAS is efficient already); attention runs per
+frame, one head at a time (the scores of a head are patches x patches floats; all heads at once
+would be gigabytes for a large image). Images are never stacked into one product: BLAS's sgemm
+gives a row other bits depending on the rows beside it (one row goes through gemv, small products
+through other kernels), so the same tower with all images' patches in each product gives an image
+other features than it has encoded alone. Encoded alone, an image's features are a function of its
+pixels: tests/test_engine_vision.py checks every image's bits alone and in several orders with
+others. (The engine's packed product, engine/packed.py, is row-independent by construction, but
+it is built for a decode step's few rows, not an image's thousands.)
+
+The arithmetic is numpy float32 (BLAS products, LayerNorm and tanh GELU from model/vision.py), the
+rotary turn of the language model's compiled kernel, and a compiled exact GELU for the mergers
+(numpy has no erf, and a Python call per element would outweigh the mergers' products). It is held
+to the float64 reference (vision_reference.vision_forward) within float32 rounding noise by the
+same test.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import RefengineError
+from ..model import Model
+from ..model.vision import (
+    MergerWeights,
+    VisionBlockWeights,
+    VisionConfig,
+    VisionWeights,
+    gelu_tanh,
+    interpolated_positions,
+    layer_norm,
+    patch_coordinates,
+    vision_angles,
+)
+from .jit import jit
+from .kernels import apply_rope, softmax_rows
+
+
+def encode_images(model: Model, pixel_values, grid_thws):
+    """pixel_values [patches, patch_dim] of the images of grid_thws, in order (as
+    model.image.preprocess_image makes them, concatenated) -> their embeddings [tokens, out_hidden]
+    float32 and one deepstack feature [tokens, out_hidden] float32 per deepstack_visual_indexes entry,
+    tokens = sum of t*h*w / merge**2. Each image is encoded on its own (the module says why)."""
+    v = model.vision_config
+    grids = [tuple(int(n) for n in g) for g in grid_thws]
+    for i, grid in enumerate(grids):
+        if len(grid) != 3 or min(grid) < 1 or grid[1] % v.spatial_merge_size or grid[2] % v.spatial_merge_size:
+            raise RefengineError(f"grid_thws[{i}]: {list(grid)} is not a patch grid (t, h, w) with h and w "
+                                 f"multiples of spatial_merge_size={v.spatial_merge_size}")
+    pixels = np.asarray(pixel_values, dtype=np.float32)
+    bounds = np.cumsum([0] + [t * h * w for t, h, w in grids])
+    if pixels.shape != (bounds[-1], v.patch_dim):
+        raise RefengineError(f"pixel_values: shape {list(pixels.shape)}, expected [{bounds[-1]}, {v.patch_dim}] "
+                             f"for grids {[list(g) for g in grids]}")
+    weights = model.vision_weights(np.float32)
+    encoded = [encode_image(weights, v, pixels[lo:hi], grid) for lo, hi, grid in zip(bounds[:-1], bounds[1:], grids)]
+    empty = np.zeros((0, v.out_hidden_size), dtype=np.float32)
+    embeds = np.concatenate([empty] + [e for e, _ in encoded])
+    deepstack = [np.concatenate([empty] + [d[level] for _, d in encoded])
+                 for level in range(len(v.deepstack_visual_indexes))]  # the order of the blocks they follow
+    return embeds, deepstack
+
+
+def encode_image(w: VisionWeights, v: VisionConfig, pixels, grid_thw):
+    """One image: pixels [t*h*w, patch_dim] float32 -> embeddings [tokens, out_hidden] and the deepstack
+    features [tokens, out_hidden], in the order of the blocks they follow (as transformers lists them,
+    whatever the order of deepstack_visual_indexes)."""
+    x = _linear(pixels, w.patch_embed, w.patch_bias)                                 # [patches, hidden]
+    x += interpolated_positions(w.pos_embed, [grid_thw], v)
+    angles = vision_angles(*patch_coordinates([grid_thw], v.spatial_merge_size), v.head_dim, v.rope_theta)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [patches, head_dim]
+    deepstack = []
+    for n, b in enumerate(w.blocks):
+        x = _block(x, b, v, grid_thw[0], cos, sin)                                   # [patches, hidden]
+        if n in v.deepstack_visual_indexes:
+            merger = w.deepstack_mergers[v.deepstack_visual_indexes.index(n)]
+            deepstack.append(_merge(x, merger, v, postshuffle=True))                # [tokens, out_hidden]
+    return _merge(x, w.merger, v, postshuffle=False), deepstack
+
+
+def _linear(x, weight, bias):  # x [rows, in] float32, weight [out, in] -> [rows, out]
+    y = x @ weight.T
+    y += bias
+    return y
+
+
+def _block(x, b: VisionBlockWeights, v: VisionConfig, frames: int, cos, sin):  # x [patches, hidden]
+    x = x + _attention(layer_norm(x, b.norm1, b.norm1_bias), b, v, frames, cos, sin)
+    hidden = _linear(layer_norm(x, b.norm2, b.norm2_bias), b.fc1, b.fc1_bias)      # [patches, intermediate]
+    return x + _linear(ACTIVATIONS[v.hidden_act](hidden), b.fc2, b.fc2_bias)     # [patches, hidden]
+
+
+def _attention(x, b: VisionBlockWeights, v: VisionConfig, frames: int, cos, sin):
+    """Every patch attends to every patch of its own frame; no mask, no cache."""
+    n, heads = x.shape[0], v.num_heads
+    qkv = _linear(x, b.qkv, b.qkv_bias).reshape(n, 3, heads, v.head_dim)          # [patches, 3, heads, hd]
+    q = apply_rope(qkv[:, 0], cos, sin).transpose(1, 0, 2)                         # [heads, patches, hd]
+    k = apply_rope(qkv[:, 1], cos, sin).transpose(1, 2, 0)                         # [heads, hd, patches]
+    values = qkv[:, 2].transpose(1, 0, 2)                                          # [heads, patches, hd]
+    out = np.empty((n, heads, v.head_dim), dtype=np.float32)
+    scale, size = np.float32(1 / math.sqrt(v.head_dim)), n // frames
+    for lo in range(0, n, size):
+        for h in range(heads):
+            scores = q[h, lo:lo + size] @ k[h, :, lo:lo + size]                    # [size, size]
+            scores *= scale
+            out[lo:lo + size, h] = softmax_rows(scores) @ values[h, lo:lo + size]  # [size, hd]
+    return _linear(out.reshape(n, v.hidden_size), b.proj, b.proj_bias)             # [patches, hidden]
+
+
+def _merge(x, m: MergerWeights, v: VisionConfig, postshuffle: bool):
+    """x [patches, hidden] -> [patches / merge**2, out_hidden]: the final merger normalises each patch
+    before a merge-block's patches are put side by side (patches come merge-block by merge-block),
+    a deepstack merger the merged row."""
+    if postshuffle:
+        x = layer_norm(x.reshape(-1, v.merged_dim), m.norm, m.norm_bias)          # [tokens, merged]
+    else:
+        x = layer_norm(x, m.norm, m.norm_bias).reshape(-1, v.merged_dim)          # [tokens, merged]
+    return _linear(gelu(_linear(x, m.fc1, m.fc1_bias)), m.fc2, m.fc2_bias)        # [tokens, out_hidden]
+
+
+def gelu(x):  # exact: x * Phi(x); x float32 -> a new float32 array of its shape
+    out = np.empty(x.shape, dtype=np.float32)
+    _gelu(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), out.reshape(-1))
+    return out
+
+
+@jit
+def _gelu(x, out):
+    """Each element in float64 (erf of a float32's exact widening), rounded once to float32."""
+    for i in range(x.size):
+        value = np.float64(x[i])
+        out[i] = 0.5 * value * (1.0 + math.erf(value * 0.7071067811865476))
+
+
+ACTIVATIONS = {"gelu": gelu, "gelu_pytorch_tanh": gelu_tanh}
