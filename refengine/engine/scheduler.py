@@ -7,7 +7,9 @@ within the step's token budget; then
 waiting sequences are admitted in arrival order while seats, budget and KV blocks last. When a
 running sequence cannot get blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to recompute prompt + generated
-tokens when readmitted. The oldest running sequence therefore always progresses, so nothing starves.
+tokens when readmitted (when speculating, all but the last, which then runs as a decode: `_short`).
+The oldest running sequence therefore always progresses, so nothing starves. A step's verifying
+decodes get their draft tokens once the step is scheduled (`draft`).
 
 A child of an n > 1 request is admitted by forking a running sibling once that sibling has computed their
 shared tokens (the prompt but its last token, which the child computes itself to get its own row): the
