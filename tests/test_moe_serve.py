@@ -1,6 +1,6 @@
 """The tiny Qwen3-MoE model served: `refengine serve` on 127.0.0.1 and `refengine validate` passes it
 against a golden file refreshed for it; and a chat message carrying an image is refused over HTTP
-with a 4xx JSON error naming the message (refengine is a text-only reference)."""
+with a 4xx JSON error naming the message (the model is text-only)."""
 from __future__ import annotations
 
 import http.client
@@ -64,7 +64,7 @@ def test_an_image_in_a_chat_message_is_refused_naming_the_message(serve_moe, par
     status, content_type, body = post_json(url, "/v1/chat/completions", {"messages": messages})
     assert 400 <= status < 500 and content_type.startswith("application/json")
     assert "messages[1].content[1]" in body["error"]["message"] and part["type"] in body["error"]["message"]
-    assert "text-only" in body["error"]["message"]
+    assert "text-only model" in body["error"]["message"]
     text_only = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
     status, _, body = post_json(url, "/v1/chat/completions", {"messages": text_only, "max_tokens": 2})
     assert status == 200 and body["choices"][0]["message"]["content"] is not None

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import RefengineError
 from ..model import Model
+from ..model.image import preprocess_image
 from ..sampling import (
     SamplingParams,
     StepRecord,
@@ -56,6 +57,7 @@ from .faults import Fault
 from .kernels import top2
 from .metrics import EngineMetrics, SpeculationCounters
 from .model_runner import ModelRunner
+from .multimodal import RequestImages
 from .outputs import RequestOutput, TokenEvent, request_output
 from .penalties import PenaltyRows
 from .prompt_logprobs import PromptScorer
@@ -113,8 +115,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams(),
-                    cache_salt: str | None = None) -> None:
-        """`cache_salt`: a request shares cached KV blocks only with requests given the same salt (vLLM's)."""
+                    cache_salt: str | None = None, images: list | None = None) -> None:
+        """`cache_salt`: a request shares cached KV blocks only with requests given the same salt (vLLM's).
+        `images` (a vision-language model's): RGB uint8 arrays [height, width, 3], in order one per run of
+        image tokens in `prompt_ids`, or one per image part of `messages` (each part rendered as the
+        model's template does, its pad widened to the image's tokens)."""
         if not isinstance(request_id, str) or not request_id:
             raise RefengineError(f"request id: expected a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
@@ -131,17 +136,32 @@ class LLMEngine:
         except RefengineError as e:
             raise RefengineError(f"request {request_id!r}: {e}") from None
         tokenizer = self.model.tokenizer
+        images = images or None  # no images: a text request
         try:
+            if images is not None and prompt is not None:
+                raise RefengineError("images: give them with prompt_ids or messages")
             if prompt is not None:
                 prompt_ids = tokenizer.encode(prompt)
+            processed = None if images is None else \
+                [preprocess_image(image, self.model.image_processor) for image in images]
+            if messages is not None and images is not None:
+                vision = self.model.vision_config
+                prompt_ids = tokenizer.encode_chat_with_images(messages, [vision.image_tokens(p.grid_thw)
+                                                                          for p in processed])
             elif messages is not None:
                 prompt_ids = tokenizer.encode_chat(messages)
             prompt_ids = self.model.check_prompt(prompt_ids, what="prompt")
+            request_images = RequestImages(self.model, prompt_ids, processed) if images is not None else None
         except (TypeError, ValueError) as e:  # RefengineError is a ValueError
             raise RefengineError(f"request {request_id!r}: {e}") from None
         family = None if params.n == 1 else request_id
-        seqs = [Sequence(rid, prompt_ids, self._child(params, k), tokenizer.detokenizer(), self.num_steps,
-                         self._salt_root(cache_salt), family) for k, rid in enumerate(ids)]
+        root = self._salt_root(cache_salt)
+        if request_images is not None:  # its blocks' KV depends on its images: so do their hashes
+            root = hashlib.sha256(root + request_images.digest).digest()
+        seqs = [Sequence(rid, prompt_ids, self._child(params, k), tokenizer.detokenizer(), self.num_steps, root, family)
+                for k, rid in enumerate(ids)]
+        for seq in seqs:
+            seq.images = request_images
         self.scheduler.check_admissible(seqs[0])  # before any child is queued: all or none
         self.requests_with_logits_processors += params.processes_logits
         for seq in seqs:
@@ -394,6 +414,7 @@ class LLMEngine:
                 "logits_processor_rows": len(self.penalties.ids),
                 "requests_with_logits_processors": self.requests_with_logits_processors,
                 "prompt_logprob_tokens": self.prompt_scorer.scored_tokens, "forks": self.scheduler.forks,
+                "images_encoded": self.runner.images_encoded,
                 **self.speculation.status()}
 
     def check_invariants(self) -> None:

@@ -156,6 +156,8 @@ class ModelRunner:
         self.draft_positions_off = config.injected is Fault.DRAFT_POSITIONS_OFF_ON_JOIN
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
+        self.images_encoded = 0  # images this runner's steps ran through the vision tower
+        self.inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
         # pool up front: left to fault in as blocks are first used, a step where many sequences cross into
         # new blocks pays those page faults inside the step (docs/performance/history.md has the figure).
@@ -184,8 +186,16 @@ class ModelRunner:
         ids, positions, slots = inputs
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
+        images = self._multimodal(chunks, positions) if any(getattr(c.seq, "images", None) for c in chunks) \
+            else None
         # One compiled call for the whole forward where fused.py may run: every row paged, no threaded attention
-        if self.stacked is not None and plan.paged_rows is None and \
+        if images is not None:
+            cos, sin, rows, embeds, deepstack = images
+            x = self.embed(ids)
+            x[rows] = embeds
+            x = self._layers(x, cos, sin, slots, plan, self.scale, (rows, deepstack))
+            out, head_done = rms_norm(x[sampling_rows], self.norm, cfg.rms_norm_eps), False
+        elif self.stacked is not None and plan.paged_rows is None and \
                 keys * cfg.num_heads * cfg.head_dim < paged_attention.THREADED_WORK:
             out = fused_layers.forward(ids, self.stacked, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                                        cfg.rms_norm_eps, positions, self.cos, self.sin, self.k_cache, self.v_cache,
@@ -201,10 +211,12 @@ class ModelRunner:
             return packed.matmul(out, self.lm_head)
         return out if out.shape[1] == cfg.vocab_size else np.ascontiguousarray(out[:, :cfg.vocab_size])
 
-    def _layers(self, x, cos, sin, slots, plan: AttentionPlan, scale: float) -> np.ndarray:
+    def _layers(self, x, cos, sin, slots, plan: AttentionPlan, scale: float, deepstack=None) -> np.ndarray:
         """x [tokens, hidden] through every layer: a call per operation, or for a stacked model two per
-        layer around its attention (engine/fused.py, which also has the whole step in one call)."""
+        layer around its attention (engine/fused.py, which also has the whole step in one call).
+        `deepstack` (rows, features per level): after layer n, rows get level n's features added."""
         cfg = self.cfg
+        rows, levels = deepstack if deepstack is not None else ((), ())
         if self.stacked is not None:  # each layer's work around its attention in two compiled calls
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -213,6 +225,8 @@ class ModelRunner:
                                                   self.k_cache, self.v_cache, slots)
                 x = fused_layers.after_attention(x, self._attend(layer, q, plan, scale), self.stacked, layer,
                                                  cfg.rms_norm_eps)
+                if layer < len(levels):
+                    x[rows] += levels[layer]
             return x
         num_tokens, q_size, kv_size = x.shape[0], cfg.q_size, cfg.kv_size
         for layer, w in enumerate(self.layers):
@@ -229,10 +243,37 @@ class ModelRunner:
             x = x + self._project(attended, w.o_proj, w.o_bias)
             if w.moe is not None:
                 x = x + moe_mlp(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.moe)
-                continue
-            gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
-            x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
+            else:
+                gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
+                x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
+            if layer < len(levels):
+                x[rows] += levels[layer]
         return x
+
+    def _multimodal(self, chunks: list[ScheduledChunk], positions: np.ndarray):
+        """A step holding a request with images (engine/multimodal.py): RoPE cos, sin [tokens, head_dim]
+        per row (a text row's are the tables'; an image request's from its three position streams), the
+        rows that are image tokens, their features [rows, hidden] and deepstack features per level."""
+        cos, sin = self.cos[positions], self.sin[positions]  # copies: the tables stay as they are
+        rows, embeds, levels, lo = [], [], [], 0
+        for c in chunks:
+            images, at = getattr(c.seq, "images", None), positions[lo:lo + c.num_tokens]
+            if images is not None:
+                angles = images.angles(at, self.inv_freq)            # [num_tokens, head_dim] float64
+                cos[lo:lo + c.num_tokens], sin[lo:lo + c.num_tokens] = np.cos(angles), np.sin(angles)
+                feature = images.rows(at)                            # [num_tokens]
+                if (feature >= 0).any():
+                    self.images_encoded += images.encode()
+                    features, deepstack = images.features
+                    rows.append(lo + np.flatnonzero(feature >= 0))
+                    embeds.append(features[feature[feature >= 0]])
+                    levels.append([level[feature[feature >= 0]] for level in deepstack])
+            lo += c.num_tokens
+        hidden = self.cfg.hidden_size
+        rows = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        embeds = np.concatenate(embeds) if embeds else np.empty((0, hidden), dtype=np.float32)
+        levels = [np.concatenate(level) for level in zip(*levels)]
+        return cos, sin, rows, embeds, levels
 
     def _prepare(self, chunks: list[ScheduledChunk], block_manager: BlockManager, scored=()):
         """The step's inputs in one pass over the chunks: (ids, positions, slots) [tokens] int64 each, the

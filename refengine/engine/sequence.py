@@ -42,6 +42,7 @@ class Sequence:
         self._block_hashes: list[bytes] = []  # of its full blocks so far (its tokens only ever grow)
         self.hash_root = hash_root  # its first block's parent hash (block_manager.salt_root)
         self.stop_from = 0  # stop strings count where they end past this: its text up to its min_tokens-th token
+        self.images = None  # engine.multimodal.RequestImages of a request with images
         self.prompt_logprobs: list[PromptLogprob] = []  # scored so far, positions 1.. (engine/prompt_logprobs.py)
 
     @property

@@ -123,20 +123,40 @@ def _bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:  # [H, W
     return np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC))
 
 
-def preprocess_image(image, proc: ImageProcessorConfig) -> ProcessedImage:
-    """An RGB uint8 array [height, width, 3] -> its patches and grid, as transformers' PIL processor."""
+def _checked(image) -> np.ndarray:
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
         raise RefengineError(f"image: expected an RGB uint8 array [height, width, 3], got {image.dtype} "
                              f"{list(image.shape)}")
-    p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    return image
+
+
+def processed_size(image, proc: ImageProcessorConfig) -> tuple[int, int]:
+    """(height, width) an RGB uint8 array [height, width, 3] is processed at: what preprocess_image
+    resizes it to, without resizing it (a prompt's placeholders need only this)."""
+    height, width = _checked(image).shape[:2]
+    factor = proc.patch_size * proc.merge_size
     if proc.do_resize:
-        height, width = smart_resize(image.shape[0], image.shape[1], p * m, proc.min_pixels, proc.max_pixels)
-        image = _bicubic(image, height, width)                                  # [height, width, 3] uint8
-    height, width = image.shape[:2]
-    if height % (p * m) or width % (p * m):
+        height, width = smart_resize(height, width, factor, proc.min_pixels, proc.max_pixels)
+    if height % factor or width % factor:
         raise RefengineError(f"image of {height}x{width}: without resizing, each side must be a multiple of "
-                             f"patch_size * merge_size = {p * m}")
+                             f"patch_size * merge_size = {factor}")
+    return height, width
+
+
+def image_grid(image, proc: ImageProcessorConfig) -> tuple[int, int, int]:
+    """The patch grid (t, h, w) preprocess_image gives the image."""
+    height, width = processed_size(image, proc)
+    return 1, height // proc.patch_size, width // proc.patch_size
+
+
+def preprocess_image(image, proc: ImageProcessorConfig) -> ProcessedImage:
+    """An RGB uint8 array [height, width, 3] -> its patches and grid, as transformers' PIL processor."""
+    image = _checked(image)
+    p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    height, width = processed_size(image, proc)
+    if (height, width) != image.shape[:2]:
+        image = _bicubic(image, height, width)                                  # [height, width, 3] uint8
     # transformers' order and precisions: rescale in float64 rounded to float32, normalise in float32
     x = image.astype(np.float32)                                                # [height, width, 3]
     if proc.do_rescale:

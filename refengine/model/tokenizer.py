@@ -57,15 +57,14 @@ IMAGE_PAD_TOKEN = "<|image_pad|>"  # what a Qwen3-VL template writes per image; 
 
 
 def _refuse_images(n: int, message) -> None:
-    """The text chat path (what the engine and server run) takes no images: an image would be silently
-    dropped by a text template, so it is refused by name. Prompts with images for the float64 reference
-    go through encode_chat_with_images."""
+    """The text chat path takes no images: an image would be silently dropped by a text template, so it
+    is refused by name. A vision-language model's prompts with images go through encode_chat_with_images."""
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, list):
         for k, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
                 raise RefengineError(f"messages[{n}].content[{k}]: {part['type']} parts are not supported "
-                                     f"(refengine is a text-only reference)")
+                                     f"(a text-only model, or images not given with the messages)")
 
 
 def template_environment() -> ImmutableSandboxedEnvironment:

@@ -49,6 +49,7 @@ class RequestStream:
     client_gone: Callable[[], bool] | None = None  # the worker's probe of its connection; None: never gone
     num_cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (set before its events)
     cache_salt: str | None = None
+    images: list | None = None  # a chat's images, in order
     children: list[str] = field(default_factory=list)  # the engine ids it runs under: one per answer (n)
 
 
@@ -81,7 +82,8 @@ class EngineThread(threading.Thread):
 
     # --- worker-thread side -------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               client_gone: Callable[[], bool] | None = None, cache_salt: str | None = None) -> RequestStream:
+               client_gone: Callable[[], bool] | None = None, cache_salt: str | None = None,
+               images: list | None = None) -> RequestStream:
         """Wait for a slot, hand the request to the engine thread, and return once it is accepted.
         `client_gone`: whether the request's client has hung up (called from the engine thread).
         Raises Overloaded, RefengineError (the engine refused the request) or EngineStopped."""
@@ -95,7 +97,7 @@ class EngineThread(threading.Thread):
             raise Overloaded(f"no batch slot freed within {self.queue_timeout:g}s "
                              f"(max_num_seqs {self.engine.config.max_num_seqs}, max_waiting {self.max_waiting})")
         stream = RequestStream(request_id, prompt_ids, self._kept(params), client_gone=client_gone,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, images=images)
         with self._wakeup:
             if self._stopping or self.failure:
                 self._release_slot()
@@ -202,7 +204,7 @@ class EngineThread(threading.Thread):
     def _admit(self, stream: RequestStream) -> None:
         try:
             self.engine.add_request(stream.request_id, stream.prompt_ids, params=stream.params,
-                                    cache_salt=stream.cache_salt)
+                                    cache_salt=stream.cache_salt, images=stream.images)
         except RefengineError as e:
             stream.error = e
             self._end_slot(ended_by_error_or_abort=True)

@@ -136,7 +136,8 @@ class Handler(BaseHTTPRequestHandler):
             request.echo = None
         try:
             stream = s.engine_thread.submit(request.request_id, request.prompt_ids, request.params,
-                                            client_gone=self._client_gone, cache_salt=request.cache_salt)
+                                            client_gone=self._client_gone, cache_salt=request.cache_salt,
+                                            images=request.images)
         except Overloaded as e:
             raise ApiError(503, str(e), code="queue_timeout", type="server_overloaded") from None
         except RefengineError as e:

@@ -37,6 +37,7 @@ COUNTERS = (
     ("refengine_prompt_logprob_tokens", "prompt_logprob_tokens",
      "Prompt tokens scored for prompt logprobs (prompt_logprobs, echo with logprobs)."),
     ("refengine_forks", "forks", "Answers of an n > 1 request admitted by forking a sibling's prompt KV."),
+    ("refengine_images_encoded", "images_encoded", "Images run through the vision tower (once per request)."),
     ("vllm:spec_decode_num_drafts", "spec_decode_drafts", "Number of spec decoding drafts."),
     ("vllm:spec_decode_num_draft_tokens", "spec_decode_draft_tokens", "Number of draft tokens."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_decode_accepted_tokens", "Number of accepted tokens."),

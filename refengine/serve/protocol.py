@@ -20,9 +20,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import RefengineError
 from ..model import Model
+from ..model.config import VISION_LANGUAGE
+from ..model.image import image_grid
+from ..model.tokenizer import IMAGE_PART_TYPES
 from ..sampling import SamplingParams, processor_params
+from .images import decode_image_part
 
 MAX_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
@@ -69,6 +75,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM's: shares cached KV blocks only with requests of the same salt
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: None, not asked for (echo may still score)
     echo: str | None = None    # completions with echo: the prompt's text, sent before the answer's
+    images: list | None = None  # a chat's images (RGB uint8 arrays), in the order of its image parts
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -106,22 +113,49 @@ def _message_text(content):
     return content
 
 
-def _prompt_ids(kind: str, body: dict, model: Model) -> list[int]:
+def _chat_images(messages: list) -> tuple[list, list[np.ndarray]]:
+    """A chat's image parts decoded (serve/images.py: data URLs only), each replaced by the plain image
+    part a vision-language template renders as its placeholder: (the messages, their images in order)."""
+    out, images = [], []
+    for n, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                images.append(decode_image_part(part, f"messages[{n}].content[{k}]"))
+                part = {"type": "image"}
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _prompt_ids(kind: str, body: dict, model: Model) -> tuple[list[int], list[np.ndarray] | None]:
+    """The request's prompt ids, and a chat's images (None without)."""
     try:
         if kind == "chat":
             messages = body.get("messages")
             if messages is None:
                 raise ApiError(400, "messages: required", param="messages", code="missing_field")
             template_kwargs = _typed(body, "chat_template_kwargs", (dict,), {}, "an object")
+            if isinstance(messages, list) and model.config.arch in VISION_LANGUAGE:
+                messages, images = _chat_images(messages)
+                if images:
+                    tokens = [model.vision_config.image_tokens(image_grid(image, model.image_processor))
+                              for image in images]
+                    ids = model.tokenizer.encode_chat_with_images(messages, tokens, **template_kwargs)
+                    return model.check_prompt(ids, "messages"), images
             if isinstance(messages, list):
                 messages = [{**m, "content": _message_text(m.get("content"))} if isinstance(m, dict) else m
                             for m in messages]
-            return model.check_prompt(model.tokenizer.encode_chat(messages, **template_kwargs), "messages")
+            return model.check_prompt(model.tokenizer.encode_chat(messages, **template_kwargs), "messages"), None
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return model.check_prompt(model.tokenizer.encode(prompt), "prompt")
+            return model.check_prompt(model.tokenizer.encode(prompt), "prompt"), None
         if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            return model.check_prompt(prompt, "prompt")
+            return model.check_prompt(prompt, "prompt"), None
         raise ApiError(400, "prompt: expected a string or a list of token ids (one prompt per request)",
                        param="prompt", code="invalid_type")
     except RefengineError as e:
@@ -178,7 +212,7 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
         if body.get(key) not in (None, neutral):
             raise ApiError(400, f"{key}: only {neutral!r} is supported, got {body[key]!r}", param=key,
                            code="unsupported_value")
-    prompt_ids = _prompt_ids(kind, body, model)
+    prompt_ids, images = _prompt_ids(kind, body, model)
     max_tokens_key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
     default_max = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max(1, context_tokens - len(prompt_ids))
     stream = _typed(body, "stream", (bool,), False, "a boolean")
@@ -217,4 +251,5 @@ def parse_request(kind: str, body, model: Model, served_name: str, context_token
                        code="invalid_value")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return GenerationRequest(kind, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, stream,
-                             bool(stream_options.get("include_usage")), logprobs, cache_salt, prompt_logprobs, echo)
+                             bool(stream_options.get("include_usage")), logprobs, cache_salt, prompt_logprobs, echo,
+                             images=images)
