@@ -208,6 +208,10 @@ def test_the_server_answers_a_chat_with_image_parts_as_the_engine_does(model):
                                                           "image_url": {"url": "https://example.com/cat.png"}}]}]
         status, raw = call(server.url, "POST", "/v1/chat/completions", {"messages": remote, "max_tokens": 2})
         assert status == 400 and json.loads(raw)["error"]["message"].startswith("messages[0].content[1]")
+        sliver = [{"role": "user", "content": [{"type": "image_url",  # an aspect ratio the processor refuses
+                                                "image_url": {"url": data_url(image(2, 600, seed=1))}}]}]
+        status, raw = call(server.url, "POST", "/v1/chat/completions", {"messages": sliver, "max_tokens": 2})
+        assert status == 400 and json.loads(raw)["error"]["message"].startswith("messages[0].content[0]: image of")
         status, raw = call(server.url, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 5,
                                                                         "ignore_eos": True})
         assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == want.text

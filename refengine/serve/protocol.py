@@ -113,10 +113,11 @@ def _message_text(content):
     return content
 
 
-def _chat_images(messages: list) -> tuple[list, list[np.ndarray]]:
+def _chat_images(messages: list, model: Model) -> tuple[list, list[np.ndarray], list[int]]:
     """A chat's image parts decoded (serve/images.py: data URLs only), each replaced by the plain image
-    part a vision-language template renders as its placeholder: (the messages, their images in order)."""
-    out, images = [], []
+    part a vision-language template renders as its placeholder: (the messages, their images in order,
+    the placeholder tokens each becomes). An image the model cannot take is refused naming its part."""
+    out, images, tokens = [], [], []
     for n, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -125,11 +126,16 @@ def _chat_images(messages: list) -> tuple[list, list[np.ndarray]]:
         parts = []
         for k, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                images.append(decode_image_part(part, f"messages[{n}].content[{k}]"))
+                where = f"messages[{n}].content[{k}]"
+                images.append(decode_image_part(part, where))
+                try:
+                    tokens.append(model.vision_config.image_tokens(image_grid(images[-1], model.image_processor)))
+                except RefengineError as e:
+                    raise RefengineError(f"{where}: {e}") from None
                 part = {"type": "image"}
             parts.append(part)
         out.append({**message, "content": parts})
-    return out, images
+    return out, images, tokens
 
 
 def _prompt_ids(kind: str, body: dict, model: Model) -> tuple[list[int], list[np.ndarray] | None]:
@@ -141,10 +147,8 @@ def _prompt_ids(kind: str, body: dict, model: Model) -> tuple[list[int], list[np
                 raise ApiError(400, "messages: required", param="messages", code="missing_field")
             template_kwargs = _typed(body, "chat_template_kwargs", (dict,), {}, "an object")
             if isinstance(messages, list) and model.config.arch in VISION_LANGUAGE:
-                messages, images = _chat_images(messages)
+                messages, images, tokens = _chat_images(messages, model)
                 if images:
-                    tokens = [model.vision_config.image_tokens(image_grid(image, model.image_processor))
-                              for image in images]
                     ids = model.tokenizer.encode_chat_with_images(messages, tokens, **template_kwargs)
                     return model.check_prompt(ids, "messages"), images
             if isinstance(messages, list):
