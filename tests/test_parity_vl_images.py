@@ -137,8 +137,8 @@ def float64_vision(monkeypatch):
 
 def hf_vision_float64(folder, model_cls):
     model = hf_float64(folder, model_cls)
-    rotary = model.model.visual.rotary_pos_emb
-    quarter = VISION["hidden_size"] // VISION["num_heads"] // 2
+    rotary, vision = model.model.visual.rotary_pos_emb, model.config.vision_config
+    quarter = vision.hidden_size // vision.num_heads // 2
     rotary.inv_freq = 1.0 / 10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float64) / quarter)
     rotary.forward = types.MethodType(_vision_rotary_f64, rotary)
     return model
@@ -332,3 +332,27 @@ def test_images_without_pillow_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
     with pytest.raises(RefengineError, match=r"images need Pillow: pip install 'refengine\[vision\]'"):
         preprocess_image(image(8, 8, seed=0), ImageProcessorConfig(patch_size=4, temporal_patch_size=2, merge_size=2))
+
+
+def test_make_tiny_qwen3_vl_is_the_model_transformers_runs(tmp_path, float64_vision):
+    """`make-tiny --arch qwen3_vl` writes a folder transformers loads as Qwen3-VL: its float64 logits on a
+    chat with two images (its own template's placeholders, its own preprocessor config) are refengine's,
+    and the images move them."""
+    from refengine.model.tiny import TinySpec, make_tiny
+    folder = make_tiny(tmp_path / "vl", TinySpec(arch="qwen3_vl", layers=2, vocab=320), seed=2)
+    model = load_model(folder)
+    images = [image(20, 28, seed=1), image(33, 9, seed=2)]
+    processed = hf_processed(Qwen2VLImageProcessorPil.from_pretrained(folder), images, "pt")
+    grids = processed["image_grid_thw"].tolist()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look"}, {"type": "image"},
+                                             {"type": "text", "text": " and"}, {"type": "image"}]}]
+    ids = model.tokenizer.encode_chat_with_images(messages, [model.vision_config.image_tokens(g) for g in grids])
+    image_id = model.vision_config.image_token_id
+    hf = hf_vision_float64(folder, transformers.Qwen3VLForConditionalGeneration)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([ids]), pixel_values=processed["pixel_values"],
+                      image_grid_thw=processed["image_grid_thw"],
+                      mm_token_type_ids=(torch.tensor([ids]) == image_id).int(), use_cache=False).logits[0].numpy()
+    got = prompt_logits_with_images(model, ids, images)
+    assert np.max(np.abs(prompt_logits(model, ids) - expected)) > 1e-2 and expected.std() > 0.5
+    assert float(np.max(np.abs(got - expected))) <= PARITY_BOUND

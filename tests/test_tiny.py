@@ -147,3 +147,36 @@ def test_a_cut_outside_the_models_layers_is_refused_by_name(tmp_path):
                                                moe_intermediate=8))
     with pytest.raises(RefengineError, match="only a dense text model"):
         first_layers(moe, tmp_path / "cut-moe", 1)
+
+
+def test_a_tiny_qwen3_vl_model_takes_images_batched_as_alone(tmp_path):
+    """make-tiny's Qwen3-VL folder (tests/test_parity_vl_images.py holds it to transformers): in the
+    engine, invariant mode, two requests with images beside a text one, prefills cut inside the images,
+    give each the token ids and logits bits it gets alone."""
+    pytest.importorskip("PIL")
+    from refengine.engine import EngineConfig, LLMEngine
+    from refengine.sampling import SamplingParams
+    model = load_model(make_tiny(tmp_path, TinySpec(arch="qwen3_vl", layers=2, vocab=320)))
+    rng = np.random.default_rng(0)
+    pictures = {"a": rng.integers(0, 256, (20, 28, 3), dtype=np.uint8),
+                "b": rng.integers(0, 256, (33, 9, 3), dtype=np.uint8)}
+    chats = {"text": ("Hello", []),
+             "one": ([{"type": "text", "text": "Look"}, {"type": "image"}], ["a"]),
+             "two": ([{"type": "image"}, {"type": "text", "text": "or"}, {"type": "image"}], ["b", "a"])}
+
+    def run(chosen, budget):
+        engine = LLMEngine(model, EngineConfig(mode="invariant", max_num_seqs=4, max_num_batched_tokens=budget,
+                                               block_size=4, max_model_len=128), keep_logits=True)
+        for rid in chosen:
+            parts, names = chats[rid]
+            engine.add_request(rid, messages=[{"role": "user", "content": parts}],
+                               images=[pictures[n] for n in names] or None,
+                               params=SamplingParams(max_tokens=5, ignore_eos=True))
+        return engine.run(), engine
+
+    together, engine = run(list(chats), 7)
+    assert engine.status()["images_encoded"] == 3
+    for rid in chats:
+        alone, _ = run([rid], 64)
+        assert together[rid].token_ids == alone[rid].token_ids
+        assert all(np.array_equal(a.logits, b.logits) for a, b in zip(together[rid].steps, alone[rid].steps))

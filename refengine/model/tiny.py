@@ -23,8 +23,17 @@ from .weights import INDEX_FILE, SINGLE_FILE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
-MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_vl": "qwen3_vl"}
+# qwen3_vl: Qwen3-VL's placeholder tokens, and a small tower of fixed shape (its output width the text
+# model's hidden size): two blocks, deepstack after both, a 4x4 learned position grid, 4-pixel patches
+# merged 2x2, images resized to at most 32x32 pixels (16 tokens)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                   hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[1, 0])
+TINY_PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 64, "max_pixels": 1024,
+                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 TINY_RECIPE = "refengine_tiny.json"  # how make-tiny built a folder: its arguments
 TRAINED_RECIPE = "refengine_trained.json"  # how model.train trained one: data, settings, versions
 MOE_FIELDS = ("experts", "experts_per_tok", "moe_intermediate", "mlp_only_layers")
@@ -32,6 +41,16 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# ChatML whose message content may be a list of text and image parts, an image written as Qwen3-VL's
+# template writes it
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% else %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -84,13 +103,13 @@ PRESETS = {
 }
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """Byte-level BPE trained on the corpus shipped with the package."""
     corpus = shipped("corpus.txt").read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
     return tokenizer
@@ -123,6 +142,20 @@ def hf_config(spec: TinySpec, special_ids: dict[str, int]) -> dict:
         config |= {"num_experts": spec.experts, "num_experts_per_tok": spec.experts_per_tok,
                    "moe_intermediate_size": spec.moe_intermediate, "norm_topk_prob": True,
                    "decoder_sparse_step": 1, "mlp_only_layers": list(spec.mlp_only_layers)}
+    if spec.arch == "qwen3_vl":  # Qwen3-VL's layout: the language model's fields under text_config
+        text = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "rope_theta",
+                                                             "tie_word_embeddings", "torch_dtype")}
+        half = spec.head_dim // 2
+        section = [half - 2 * (half // 4), half // 4, half // 4]  # t, h, w frequencies, interleaved
+        text |= {"model_type": "qwen3_vl_text", "rope_parameters": {
+            "rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": section, "mrope_interleaved": True}}
+        config = {key: config[key] for key in ("architectures", "model_type", "tie_word_embeddings", "torch_dtype",
+                                                "bos_token_id", "eos_token_id")}
+        config |= {"text_config": text, "vision_config": {**TINY_VISION, "out_hidden_size": spec.hidden,
+                                                          "model_type": "qwen3_vl"},
+                   "image_token_id": special_ids["<|image_pad|>"], "video_token_id": special_ids["<|image_pad|>"],
+                   "vision_start_token_id": special_ids["<|vision_start|>"],
+                   "vision_end_token_id": special_ids["<|vision_end|>"]}
     return config
 
 
@@ -142,7 +175,8 @@ def random_weights(spec: TinySpec, seed: int) -> list[LazyTensor]:
     rng = np.random.default_rng(seed)
     h, i, d = spec.hidden, spec.intermediate, spec.head_dim
     q, kv = spec.heads * d, spec.kv_heads * d
-    head = "model.embed_tokens.weight" if spec.tie else "lm_head.weight"
+    text = "model.language_model." if spec.arch == "qwen3_vl" else "model."  # a VL checkpoint's language model
+    head = f"{text}embed_tokens.weight" if spec.tie else "lm_head.weight"
 
     def normal(name, shape, std):
         def make():
@@ -164,9 +198,9 @@ def random_weights(spec: TinySpec, seed: int) -> list[LazyTensor]:
                 normal(prefix + "up_proj.weight", (width, h), 1.0 / np.sqrt(h)),
                 normal(prefix + "down_proj.weight", (h, width), RESIDUAL_SCALE / np.sqrt(width))]
 
-    tensors = [normal("model.embed_tokens.weight", (spec.vocab, h), 1.0), norm_weight("model.norm.weight", h)]
+    tensors = [normal(f"{text}embed_tokens.weight", (spec.vocab, h), 1.0), norm_weight(f"{text}norm.weight", h)]
     for n in range(spec.layers):
-        p = f"model.layers.{n}."
+        p = f"{text}layers.{n}."
         tensors += [
             norm_weight(p + "input_layernorm.weight", h),
             norm_weight(p + "post_attention_layernorm.weight", h),
@@ -182,13 +216,53 @@ def random_weights(spec: TinySpec, seed: int) -> list[LazyTensor]:
                 tensors += swiglu(f"{p}mlp.experts.{e}.", spec.moe_intermediate)
         else:
             tensors += swiglu(p + "mlp.", i)
-        if spec.arch in ("qwen3", "qwen3_moe"):
+        if spec.arch in ("qwen3", "qwen3_moe", "qwen3_vl"):
             tensors += [norm_weight(p + "self_attn.q_norm.weight", d), norm_weight(p + "self_attn.k_norm.weight", d)]
         if spec.arch == "qwen2":
             tensors += [normal(p + "self_attn.q_proj.bias", (q,), 0.1), normal(p + "self_attn.k_proj.bias", (kv,), 0.1),
                         normal(p + "self_attn.v_proj.bias", (kv,), 0.1)]
     if not spec.tie:
         tensors.append(normal("lm_head.weight", (spec.vocab, h), 1.0))
+    if spec.arch == "qwen3_vl":
+        tensors += _tower(spec, normal)
+    return tensors
+
+
+def _tower(spec: TinySpec, normal) -> list[LazyTensor]:
+    """TINY_VISION's tensors under model.visual. (model.vision's names and shapes): weights of fan-in
+    scale, LayerNorm weights near 1, small biases, and the mergers' output at the embeddings' scale, so
+    an image's tokens move the language model as much as text does."""
+    v = dict(TINY_VISION)
+    h, i, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    p = "model.visual."
+    tensors = [normal(p + "patch_embed.proj.weight", (h, v["in_channels"], v["temporal_patch_size"], v["patch_size"],
+                                                      v["patch_size"]), 1.0 / np.sqrt(patch)),
+               normal(p + "patch_embed.proj.bias", (h,), 0.1),
+               normal(p + "pos_embed.weight", (v["num_position_embeddings"], h), 0.5)]
+
+    def layer_norm(prefix, size):
+        return [(prefix + "weight", (size,), lambda: np.ones(size, np.float32)), normal(prefix + "bias", (size,), 0.1)]
+
+    for n in range(v["depth"]):
+        b = f"{p}blocks.{n}."
+        tensors += [*layer_norm(b + "norm1.", h),
+                    normal(b + "attn.qkv.weight", (3 * h, h), 1.0 / np.sqrt(h)),
+                    normal(b + "attn.qkv.bias", (3 * h,), 0.1),
+                    normal(b + "attn.proj.weight", (h, h), 1.0 / np.sqrt(h)), normal(b + "attn.proj.bias", (h,), 0.1),
+                    *layer_norm(b + "norm2.", h),
+                    normal(b + "mlp.linear_fc1.weight", (i, h), 1.0 / np.sqrt(h)),
+                    normal(b + "mlp.linear_fc1.bias", (i,), 0.1),
+                    normal(b + "mlp.linear_fc2.weight", (h, i), 1.0 / np.sqrt(i)),
+                    normal(b + "mlp.linear_fc2.bias", (h,), 0.1)]
+    for prefix, norm_size in [("merger.", h)] + [(f"deepstack_merger_list.{n}.", merged)
+                                                  for n in range(len(v["deepstack_visual_indexes"]))]:
+        m = p + prefix
+        tensors += [*layer_norm(m + "norm.", norm_size),
+                    normal(m + "linear_fc1.weight", (merged, merged), 1.0 / np.sqrt(merged)),
+                    normal(m + "linear_fc1.bias", (merged,), 0.1),
+                    normal(m + "linear_fc2.weight", (spec.hidden, merged), 1.0 / np.sqrt(merged)),
+                    normal(m + "linear_fc2.bias", (spec.hidden,), 0.1)]
     return tensors
 
 
@@ -226,7 +300,8 @@ def write_folder(out: Path, spec: TinySpec, tokenizer: Tokenizer, tensors: list[
     """A complete HF folder: config, generation config, tokenizer files with the ChatML template, the
     weights, and `recipe_name` recording how they were made."""
     out.mkdir(parents=True, exist_ok=True)
-    special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    vision = spec.arch == "qwen3_vl"
+    special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + (VISION_TOKENS if vision else [])}
     config = hf_config(spec, special_ids)
     config["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype]
     _write_json(out / "config.json", config)
@@ -236,11 +311,13 @@ def write_folder(out: Path, spec: TinySpec, tokenizer: Tokenizer, tensors: list[
         "do_sample": False,
     })
     _write_json(out / "tokenizer_config.json", {
-        "chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
+        "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": spec.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast",
     })
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    if vision:
+        _write_json(out / "preprocessor_config.json", TINY_PREPROCESSOR)
     _write_json(out / recipe_name, recipe)
     write_weights(out, tensors, dtype, shards)
     return out
@@ -261,7 +338,8 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), seed: int = 0, d
                              f"{spec.moe_intermediate})")
     if spec.arch == "qwen3_moe" and not set(spec.mlp_only_layers) <= set(range(spec.layers)):
         raise RefengineError(f"mlp_only_layers: {list(spec.mlp_only_layers)} are not all layers of 0..{spec.layers - 1}")
-    tokenizer = train_tokenizer(min(spec.vocab, 4096))
+    specials = SPECIAL_TOKENS + (VISION_TOKENS if spec.arch == "qwen3_vl" else [])
+    tokenizer = train_tokenizer(min(spec.vocab, 4096), specials)
     return write_folder(Path(out_dir), spec, tokenizer, random_weights(spec, seed), recipe_name=TINY_RECIPE,
                         recipe={"seed": seed, "dtype": dtype, "shards": shards, **spec.recipe()},
                         dtype=dtype, shards=shards)
@@ -276,7 +354,7 @@ def first_layers(source: str | Path, out: str | Path, layers: int) -> Path:
 
     source, out = Path(source), Path(out)
     cfg = load_config(source)
-    if cfg.arch not in ARCHITECTURES or cfg.sparse_layers:
+    if cfg.arch not in ("qwen3", "qwen2", "llama"):
         raise RefengineError(f"{source}: only a dense text model can be cut to its first layers (arch {cfg.arch})")
     if not 1 <= layers <= cfg.num_layers:
         raise RefengineError(f"layers: {layers} is not in 1..{cfg.num_layers}, the layers of {source}")
