@@ -18,8 +18,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..data import shipped
 from ..errors import RefengineError
+from .config import load_config
 from .safetensors_io import streamed_file
-from .weights import INDEX_FILE, SINGLE_FILE
+from .weights import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
@@ -28,7 +29,7 @@ MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe"
 # qwen3_vl: Qwen3-VL's placeholder tokens, and a small tower of fixed shape (its output width the text
 # model's hidden size): two blocks, deepstack after both, a 4x4 learned position grid, 4-pixel patches
 # merged 2x2, images resized to at most 32x32 pixels (16 tokens)
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[1, 0])
@@ -153,7 +154,7 @@ def hf_config(spec: TinySpec, special_ids: dict[str, int]) -> dict:
                                                 "bos_token_id", "eos_token_id")}
         config |= {"text_config": text, "vision_config": {**TINY_VISION, "out_hidden_size": spec.hidden,
                                                           "model_type": "qwen3_vl"},
-                   "image_token_id": special_ids["<|image_pad|>"], "video_token_id": special_ids["<|image_pad|>"],
+                   "image_token_id": special_ids["<|image_pad|>"], "video_token_id": special_ids["<|video_pad|>"],
                    "vision_start_token_id": special_ids["<|vision_start|>"],
                    "vision_end_token_id": special_ids["<|vision_end|>"]}
     return config
@@ -349,9 +350,6 @@ def first_layers(source: str | Path, out: str | Path, layers: int) -> Path:
     """`source`'s first `layers` decoder layers with its embedding, final norm, head and tokenizer: a
     draft model that needs no training (layer skipping cut at the end, as self-speculative decoding
     drafts), whose vocabulary is the target's by construction. Float32, one file."""
-    from .config import load_config  # the folder's validated config, only where a folder is cut
-    from .weights import Checkpoint
-
     source, out = Path(source), Path(out)
     cfg = load_config(source)
     if cfg.arch not in ("qwen3", "qwen2", "llama"):
