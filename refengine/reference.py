@@ -21,7 +21,6 @@ import numpy as np
 
 from .model import Model, ModelConfig
 from .model.routing import top_k
-from .model.vision import mrope_stream
 from .model.weights import LayerWeights, StreamedWeights, Weights, row_blocks
 from .sampling import (
     PromptLogprob,
@@ -49,6 +48,14 @@ def rope_angles(positions, head_dim, theta):  # -> [seq, head_dim]
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
     angles = np.outer(positions, inv_freq)                                               # [seq, head_dim/2]
     return np.concatenate([angles, angles], axis=-1)                                     # [seq, head_dim]
+
+
+def mrope_stream(head_dim: int, section) -> np.ndarray:
+    """Which position stream (0 t, 1 h, 2 w) drives each of the head_dim / 2 rotary frequencies, in
+    Qwen3-VL's interleaved layout: frequency j is h's if j % 3 == 1 and j < 3 * section[1], w's if
+    j % 3 == 2 and j < 3 * section[2], else t's."""
+    j = np.arange(head_dim // 2)
+    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
 
 
 def mrope_angles(positions, head_dim, theta, section):  # positions [3, seq] (t, h, w) -> [seq, head_dim]

@@ -12,7 +12,9 @@ throughout, one function per step and a shape comment per tensor line:
     and after the blocks listed in deepstack_visual_indexes, a deepstack merger of the same.
 
 The language model then takes the tower's tokens in place of the image placeholder tokens, turns
-RoPE by three position streams (model.vision.mrope_positions), and adds the deepstack features to
+RoPE by three position streams (mrope_positions, as transformers' get_rope_index: text counts up on
+all three; an image's tokens take its start on t and spread over its merged grid on h and w; the text
+after it continues from the image's start plus its longer merged side), and adds the deepstack features to
 the image rows after its first layers (reference.final_hidden_with_images). Patches are laid out
 merge-block by merge-block (model/image.py), so merging is a reshape. tests/test_parity_vl_images.py
 holds the logits to transformers' float64 forward with pixel_values and image_grid_thw.
@@ -23,21 +25,118 @@ import math
 
 import numpy as np
 
+from .errors import RefengineError
 from .model import Model
 from .model.image import preprocess_image
 from .model.vision import (
+    LAYER_NORM_EPS,
     MergerWeights,
     VisionBlockWeights,
     VisionConfig,
     VisionWeights,
-    gelu_tanh,
-    interpolated_positions,
-    layer_norm,
-    mrope_positions,
-    patch_coordinates,
-    vision_angles,
 )
-from .reference import KVCache, apply_rotary, final_hidden_with_images, linear, mrope_angles, output_head, softmax
+from .reference import (
+    KVCache,
+    apply_rotary,
+    final_hidden_with_images,
+    linear,
+    mrope_angles,
+    output_head,
+    softmax,
+)
+
+
+def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS):  # x [..., dim]
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+def gelu_tanh(x):  # the tanh approximation (transformers' gelu_pytorch_tanh)
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def patch_coordinates(grid_thws, merge):
+    """(row, column) [patches] of every patch of every image, in the order the patches come:
+    merge-block by merge-block within a frame, frame after frame."""
+    rows, cols = [], []
+    for t, h, w in grid_thws:
+        r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")       # [h, w] each
+        blocks = (h // merge, merge, w // merge, merge)
+        rows.append(np.tile(r.reshape(blocks).transpose(0, 2, 1, 3).ravel(), t))  # [t*h*w]
+        cols.append(np.tile(c.reshape(blocks).transpose(0, 2, 1, 3).ravel(), t))  # [t*h*w]
+    return np.concatenate(rows), np.concatenate(cols)
+
+
+def _bilinear_taps(index, size, side):
+    """Where each of `index` [n] (on an axis of `size` patches) falls on the `side` learned positions,
+    corners aligned (patch 0 on position 0, patch size-1 on position side-1): the two neighbouring
+    positions [n, 2] and their weights [n, 2]."""
+    src = index * (side - 1) / max(size - 1, 1)                             # [n]
+    low = np.floor(src)                                                     # [n]
+    frac = src - low                                                        # [n]
+    taps = np.minimum(np.stack([low, low + 1], axis=-1).astype(np.int64), side - 1)  # [n, 2]
+    return taps, np.stack([1.0 - frac, frac], axis=-1)                     # [n, 2], [n, 2]
+
+
+def interpolated_positions(pos_embed, grid_thws, v: VisionConfig):
+    """The side x side grid of learned position embeddings [side*side, hidden] resized bilinearly to
+    each image's patch grid: [patches, hidden], one row per patch in the patches' order."""
+    side, out = v.grid_side, []
+    for t, h, w in grid_thws:
+        rows, cols = patch_coordinates([(t, h, w)], v.spatial_merge_size)  # [n] each
+        row_taps, row_w = _bilinear_taps(rows, h, side)                    # [n, 2], [n, 2]
+        col_taps, col_w = _bilinear_taps(cols, w, side)                    # [n, 2], [n, 2]
+        index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)  # [n, 4]
+        weight = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4).astype(pos_embed.dtype)  # [n, 4]
+        out.append((pos_embed[index] * weight[:, :, None]).sum(axis=1))             # [n, hidden]
+    return np.concatenate(out)                                                      # [patches, hidden]
+
+
+def vision_angles(rows, cols, head_dim, theta):  # rows, cols [patches] -> [patches, head_dim]
+    """2-D RoPE: a quarter of the frequencies of a head_dim / 2 RoPE turned by the row, the same
+    turned by the column, the pair then rotating both halves of the head as the 1-D RoPE does."""
+    quarter = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)   # [head_dim/4]
+    angles = np.concatenate([np.outer(rows, inv_freq), np.outer(cols, inv_freq)], axis=-1)  # [patches, hd/2]
+    return np.concatenate([angles, angles], axis=-1)                                     # [patches, head_dim]
+
+
+def mrope_positions(ids, grid_thws, v: VisionConfig) -> np.ndarray:
+    """The (t, h, w) RoPE positions [3, len(ids)] of a prompt whose runs of image_token_id are, in order,
+    the images of `grid_thws` (each a patch grid (t, h, w)), as transformers' get_rope_index gives them.
+    Each run must be exactly its image's tokens (transformers groups consecutive image tokens into one
+    image: two images must be separated, as <|vision_end|><|vision_start|> do)."""
+    ids = np.asarray(ids)
+    m = v.spatial_merge_size
+    is_image = ids == v.image_token_id
+    starts = np.flatnonzero(is_image & ~np.concatenate([[False], is_image[:-1]]))  # where each run begins
+    if len(starts) != len(grid_thws):
+        raise RefengineError(f"prompt: {len(starts)} runs of image tokens (id {v.image_token_id}) for "
+                             f"{len(grid_thws)} images")
+    out, at, pos = [], 0, 0  # the positions so far, the next index, the next position
+    for start, (t, h, w) in zip(starts, grid_thws):
+        out.append(np.broadcast_to(pos + np.arange(start - at), (3, start - at)))  # text: equal streams
+        pos += start - at
+        n = v.image_tokens((t, h, w))
+        run = int(np.argmin(np.append(is_image[start:], False)))  # length of the run
+        if run != n:
+            raise RefengineError(f"prompt: the image tokens at {start} are {run}, its image of grid "
+                                 f"{[t, h, w]} needs {n}")
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing="ij")
+        out.append(pos + np.stack([tt, hh, ww]).reshape(3, n))               # [3, n]
+        pos += max(h, w) // m
+        at = start + n
+    out.append(np.broadcast_to(pos + np.arange(len(ids) - at), (3, len(ids) - at)))
+    return np.concatenate(out, axis=1).astype(np.int64)                      # [3, len(ids)]
+
+
+def mrope_delta(positions) -> int:
+    """What a token after the prompt adds to its index to get its (equal) t, h, w positions: the
+    prompt's largest position + 1 - its length (transformers' rope_deltas); 0 without an image."""
+    positions = np.asarray(positions)
+    return int(positions.max()) + 1 - positions.shape[1]
+
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has none; the mergers' GELU is the exact one
 

@@ -222,3 +222,17 @@ def test_the_server_answers_a_chat_with_image_parts_as_the_engine_does(model):
         assert encoded == [4.0]  # two requests of two images, each image once
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("pieces", [[3, "wide", 4], ["tall"], [2, "square", "tall", 1], ["wide", 5, "square"]])
+def test_the_engines_positions_are_the_references(model, pieces):
+    """engine.multimodal.positions, the engine's own walk of Qwen3-VL's rule, against the reference's
+    (vision_reference.mrope_positions, itself held to transformers' get_rope_index)."""
+    from refengine.engine.multimodal import positions
+    from refengine.vision_reference import mrope_delta, mrope_positions
+    _, images = requests(model)
+    ids = np.asarray(prompt_with(model, pieces, images))
+    grids = [preprocess_image(images[p], model.image_processor).grid_thw for p in pieces if isinstance(p, str)]
+    got, delta = positions(ids, grids, model.vision_config)
+    want = mrope_positions(ids, grids, model.vision_config)
+    assert np.array_equal(got, want) and delta == mrope_delta(want)

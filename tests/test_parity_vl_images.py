@@ -28,7 +28,9 @@ from test_parity import PARITY_BOUND, save_folder  # noqa: E402
 from test_parity_moe_vl import MOE, MROPE, TEXT, hf_float64, randomize  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import vision_utils  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,  # noqa: E402
+)
 from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe  # noqa: E402
 
@@ -36,9 +38,13 @@ from refengine.errors import RefengineError  # noqa: E402
 from refengine.model import load_model  # noqa: E402
 from refengine.model.image import ImageProcessorConfig, preprocess_image  # noqa: E402
 from refengine.model.tokenizer import Tokenizer as RefTokenizer  # noqa: E402
-from refengine.model.vision import mrope_delta, mrope_positions  # noqa: E402
 from refengine.reference import prompt_logits  # noqa: E402
-from refengine.vision_reference import prompt_logits_with_images, prompt_logits_with_pixels  # noqa: E402
+from refengine.vision_reference import (  # noqa: E402  # noqa: E402
+    mrope_delta,
+    mrope_positions,
+    prompt_logits_with_images,
+    prompt_logits_with_pixels,
+)
 
 pytestmark = pytest.mark.parity
 

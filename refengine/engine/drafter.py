@@ -46,14 +46,16 @@ def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
 class PromptLookup:
     def __init__(self, config: EngineConfig):
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
+        self.found: dict[str, list[int]] = {}  # a reserved decode's drafts, until proposed
 
     def reserve(self, seq, room: int) -> int:
         """How many drafts the decode of `seq` will verify: what the lookup finds, up to `room`."""
-        return len(prompt_lookup(seq.token_ids, room, *self.lookup))
+        self.found[seq.request_id] = prompt_lookup(seq.token_ids, room, *self.lookup)
+        return len(self.found[seq.request_id])
 
     def propose(self, requests: list[tuple]) -> list[list[int]]:
-        """Each (seq, k)'s k drafts: the lookup again (the same tokens, the same find)."""
-        return [prompt_lookup(seq.token_ids, k, *self.lookup) for seq, k in requests]
+        """Each (seq, k)'s k drafts: what its reservation found."""
+        return [self.found.pop(seq.request_id)[:k] for seq, k in requests]
 
     def draft_probs(self, seq, j: int) -> None:
         """The distribution draft j was drawn from: none, it is proposed with certainty."""
@@ -63,7 +65,7 @@ class PromptLookup:
         pass
 
     def forget(self, seq) -> None:
-        pass
+        self.found.pop(seq.request_id, None)
 
 
 @dataclass

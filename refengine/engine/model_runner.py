@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ..model import Model
+from ..model.config import VISION_LANGUAGE
 from ..model.weights import LayerWeights
 from . import fused as fused_layers
 from . import numerics, packed, paged_attention
@@ -156,6 +157,7 @@ class ModelRunner:
         self.draft_positions_off = config.injected is Fault.DRAFT_POSITIONS_OFF_ON_JOIN
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
+        self.takes_images = cfg.arch in VISION_LANGUAGE  # a text model's steps never look for images
         self.images_encoded = 0  # images this runner's steps ran through the vision tower
         self.inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         # Laid out for paged_attention. The whole pool is written now, as a serving engine reserves its
@@ -186,8 +188,8 @@ class ModelRunner:
         ids, positions, slots = inputs
         if self.misplace_block_starts:
             slots = np.where((positions % self.block_size == 0) & (positions > 0), slots + self.block_size - 1, slots)
-        images = self._multimodal(chunks, positions) if any(getattr(c.seq, "images", None) for c in chunks) \
-            else None
+        images = self._multimodal(chunks, positions) \
+            if self.takes_images and any(getattr(c.seq, "images", None) for c in chunks) else None
         # One compiled call for the whole forward where fused.py may run: every row paged, no threaded attention
         if images is not None:
             cos, sin, rows, embeds, deepstack = images

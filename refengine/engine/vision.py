@@ -16,7 +16,7 @@ pixels: tests/test_engine_vision.py checks every image's bits alone and in sever
 others. (The engine's packed product, engine/packed.py, is row-independent by construction, but
 it is built for a decode step's few rows, not an image's thousands.)
 
-The arithmetic is numpy float32 (BLAS products, LayerNorm and tanh GELU from model/vision.py), the
+The arithmetic is numpy float32 (BLAS products, its own LayerNorm, tanh GELU and position grid), the
 rotary turn of the language model's compiled kernel, and a compiled exact GELU for the mergers
 (numpy has no erf, and a Python call per element would outweigh the mergers' products). It is held
 to the float64 reference (vision_reference.vision_forward) within float32 rounding noise by the
@@ -31,15 +31,11 @@ import numpy as np
 from ..errors import RefengineError
 from ..model import Model
 from ..model.vision import (
+    LAYER_NORM_EPS,
     MergerWeights,
     VisionBlockWeights,
     VisionConfig,
     VisionWeights,
-    gelu_tanh,
-    interpolated_positions,
-    layer_norm,
-    patch_coordinates,
-    vision_angles,
 )
 from .jit import jit
 from .kernels import apply_rope, softmax_rows
@@ -75,9 +71,13 @@ def encode_image(w: VisionWeights, v: VisionConfig, pixels, grid_thw):
     features [tokens, out_hidden], in the order of the blocks they follow (as transformers lists them,
     whatever the order of deepstack_visual_indexes)."""
     x = _linear(pixels, w.patch_embed, w.patch_bias)                                 # [patches, hidden]
-    x += interpolated_positions(w.pos_embed, [grid_thw], v)
-    angles = vision_angles(*patch_coordinates([grid_thw], v.spatial_merge_size), v.head_dim, v.rope_theta)
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [patches, head_dim]
+    rows, cols = _patch_rows_cols(grid_thw, v.spatial_merge_size)                   # [patches] each
+    x += _grid_positions(w.pos_embed, rows, cols, grid_thw, v.grid_side)
+    quarter = v.head_dim // 2
+    inv_freq = 1.0 / v.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)  # [head_dim/4]
+    half = np.concatenate([rows[:, None] * inv_freq, cols[:, None] * inv_freq], axis=1)  # [patches, head_dim/2]
+    angles = np.concatenate([half, half], axis=1)                                    # [patches, head_dim]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     deepstack = []
     for n, b in enumerate(w.blocks):
         x = _block(x, b, v, grid_thw[0], cos, sin)                                   # [patches, hidden]
@@ -87,6 +87,42 @@ def encode_image(w: VisionWeights, v: VisionConfig, pixels, grid_thw):
     return _merge(x, w.merger, v, postshuffle=False), deepstack
 
 
+def _patch_rows_cols(grid_thw, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, column) of each patch of an image, in the order its patches come: frame by frame, and
+    within a frame merge-block by merge-block (blocks in row order, a block's patches in row order)."""
+    t, h, w = grid_thw
+    index = np.arange(t * h * w) % (h * w)                        # within its frame
+    block, inside = np.divmod(index, merge * merge)
+    block_row, block_col = np.divmod(block, w // merge)
+    return block_row * merge + inside // merge, block_col * merge + inside % merge
+
+
+def _grid_positions(pos_embed, rows, cols, grid_thw, side: int) -> np.ndarray:
+    """The learned side x side position embeddings [side * side, hidden] read bilinearly at each patch,
+    the image's corners on the grid's corners: [patches, hidden] float32."""
+    _, h, w = grid_thw
+    y = rows * (side - 1) / max(h - 1, 1)                          # [patches], on the grid
+    x = cols * (side - 1) / max(w - 1, 1)
+    y0, x0 = np.floor(y).astype(np.int64), np.floor(x).astype(np.int64)
+    y1, x1 = np.minimum(y0 + 1, side - 1), np.minimum(x0 + 1, side - 1)
+    fy, fx = (y - y0)[:, None].astype(np.float32), (x - x0)[:, None].astype(np.float32)
+    grid = pos_embed.reshape(side, side, -1)
+    top = grid[y0, x0] * (1 - fx) + grid[y0, x1] * fx
+    bottom = grid[y1, x0] * (1 - fx) + grid[y1, x1] * fx
+    return top * (1 - fy) + bottom * fy
+
+
+def _layer_norm(x, weight, bias):  # x [rows, dim] float32
+    centered = x - x.mean(axis=-1, keepdims=True)
+    return centered / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + np.float32(LAYER_NORM_EPS)) \
+        * weight + bias
+
+
+def _gelu_tanh(x):  # the tanh approximation, transformers' gelu_pytorch_tanh
+    return np.float32(0.5) * x * (np.float32(1) + np.tanh(np.float32(math.sqrt(2 / math.pi))
+                                                          * (x + np.float32(0.044715) * x * x * x)))
+
+
 def _linear(x, weight, bias):  # x [rows, in] float32, weight [out, in] -> [rows, out]
     y = x @ weight.T
     y += bias
@@ -94,8 +130,8 @@ def _linear(x, weight, bias):  # x [rows, in] float32, weight [out, in] -> [rows
 
 
 def _block(x, b: VisionBlockWeights, v: VisionConfig, frames: int, cos, sin):  # x [patches, hidden]
-    x = x + _attention(layer_norm(x, b.norm1, b.norm1_bias), b, v, frames, cos, sin)
-    hidden = _linear(layer_norm(x, b.norm2, b.norm2_bias), b.fc1, b.fc1_bias)      # [patches, intermediate]
+    x = x + _attention(_layer_norm(x, b.norm1, b.norm1_bias), b, v, frames, cos, sin)
+    hidden = _linear(_layer_norm(x, b.norm2, b.norm2_bias), b.fc1, b.fc1_bias)      # [patches, intermediate]
     return x + _linear(ACTIVATIONS[v.hidden_act](hidden), b.fc2, b.fc2_bias)     # [patches, hidden]
 
 
@@ -121,9 +157,9 @@ def _merge(x, m: MergerWeights, v: VisionConfig, postshuffle: bool):
     before a merge-block's patches are put side by side (patches come merge-block by merge-block),
     a deepstack merger the merged row."""
     if postshuffle:
-        x = layer_norm(x.reshape(-1, v.merged_dim), m.norm, m.norm_bias)          # [tokens, merged]
+        x = _layer_norm(x.reshape(-1, v.merged_dim), m.norm, m.norm_bias)          # [tokens, merged]
     else:
-        x = layer_norm(x, m.norm, m.norm_bias).reshape(-1, v.merged_dim)          # [tokens, merged]
+        x = _layer_norm(x, m.norm, m.norm_bias).reshape(-1, v.merged_dim)          # [tokens, merged]
     return _linear(gelu(_linear(x, m.fc1, m.fc1_bias)), m.fc2, m.fc2_bias)        # [tokens, out_hidden]
 
 
@@ -141,4 +177,4 @@ def _gelu(x, out):
         out[i] = 0.5 * value * (1.0 + math.erf(value * 0.7071067811865476))
 
 
-ACTIVATIONS = {"gelu": gelu, "gelu_pytorch_tanh": gelu_tanh}
+ACTIVATIONS = {"gelu": gelu, "gelu_pytorch_tanh": _gelu_tanh}

@@ -1,23 +1,15 @@
-"""Qwen3-VL's vision tower as the checkpoint holds it: its config, its tensors, and the positions an
-image's placeholder tokens take in the language model; and the tower's elementwise math (LayerNorm,
-tanh GELU, the resized position grid, the 2-D rotary angles), written once for any float dtype.
+"""Qwen3-VL's vision tower as the checkpoint holds it: its config and its tensors.
 
-Both forwards read this (the float64 reference in refengine/vision_reference.py; the engine, which must
-not import the reference). It is read only when an image arrives: a text-only request never parses
-`vision_config` nor converts a `model.visual.` tensor, so the language model of a checkpoint whose
-tower is broken still loads and runs text; the tower's tensors are validated (names and shapes, all
-problems in one error) when first asked for.
-
-The multimodal RoPE positions follow transformers' `Qwen3VLModel.get_rope_index`: text tokens count up
-on all three streams (t, h, w); an image's tokens share the position where the image starts on t and
-spread over its merged grid on h and w; the text after it continues from the image's start plus its
-longer merged side (its largest position + 1 for a still image). Without an image the three streams
-are the token indices, so the 1-D RoPE of the text path is exact.
+Both forwards read this (the float64 reference in refengine/vision_reference.py; the engine in
+engine/vision.py and engine/multimodal.py), and nothing more: each computes the tower and the positions
+on its own, so the code under test cannot move the oracle. It is read only when an image arrives: a
+text-only request never parses `vision_config` nor converts a `model.visual.` tensor, so the language
+model of a checkpoint whose tower is broken still loads and runs text; the tower's tensors are
+validated (names and shapes, all problems in one error) when first asked for.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,105 +222,3 @@ def load_vision_weights(checkpoint, v: VisionConfig, dtype) -> VisionWeights:
                          patch_bias=read["patch_bias",], pos_embed=read["pos_embed",], blocks=blocks,
                          merger=MergerWeights(**{f: read["merger", 0, f] for f in _MERGER_TENSORS}),
                          deepstack_mergers=deepstack)
-
-
-# The tower's dtype-generic math, shared by the float64 reference (vision_reference.py) and the float32
-# engine (engine/vision.py): one formula for both, each forward in its own precision.
-def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS):  # x [..., dim]
-    mean = x.mean(axis=-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * weight + bias
-
-
-def gelu_tanh(x):  # the tanh approximation (transformers' gelu_pytorch_tanh)
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-
-
-def patch_coordinates(grid_thws, merge):
-    """(row, column) [patches] of every patch of every image, in the order the patches come:
-    merge-block by merge-block within a frame, frame after frame."""
-    rows, cols = [], []
-    for t, h, w in grid_thws:
-        r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")       # [h, w] each
-        blocks = (h // merge, merge, w // merge, merge)
-        rows.append(np.tile(r.reshape(blocks).transpose(0, 2, 1, 3).ravel(), t))  # [t*h*w]
-        cols.append(np.tile(c.reshape(blocks).transpose(0, 2, 1, 3).ravel(), t))  # [t*h*w]
-    return np.concatenate(rows), np.concatenate(cols)
-
-
-def _bilinear_taps(index, size, side):
-    """Where each of `index` [n] (on an axis of `size` patches) falls on the `side` learned positions,
-    corners aligned (patch 0 on position 0, patch size-1 on position side-1): the two neighbouring
-    positions [n, 2] and their weights [n, 2]."""
-    src = index * (side - 1) / max(size - 1, 1)                             # [n]
-    low = np.floor(src)                                                     # [n]
-    frac = src - low                                                        # [n]
-    taps = np.minimum(np.stack([low, low + 1], axis=-1).astype(np.int64), side - 1)  # [n, 2]
-    return taps, np.stack([1.0 - frac, frac], axis=-1)                     # [n, 2], [n, 2]
-
-
-def interpolated_positions(pos_embed, grid_thws, v: VisionConfig):
-    """The side x side grid of learned position embeddings [side*side, hidden] resized bilinearly to
-    each image's patch grid: [patches, hidden], one row per patch in the patches' order."""
-    side, out = v.grid_side, []
-    for t, h, w in grid_thws:
-        rows, cols = patch_coordinates([(t, h, w)], v.spatial_merge_size)  # [n] each
-        row_taps, row_w = _bilinear_taps(rows, h, side)                    # [n, 2], [n, 2]
-        col_taps, col_w = _bilinear_taps(cols, w, side)                    # [n, 2], [n, 2]
-        index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)  # [n, 4]
-        weight = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4).astype(pos_embed.dtype)  # [n, 4]
-        out.append((pos_embed[index] * weight[:, :, None]).sum(axis=1))             # [n, hidden]
-    return np.concatenate(out)                                                      # [patches, hidden]
-
-
-def vision_angles(rows, cols, head_dim, theta):  # rows, cols [patches] -> [patches, head_dim]
-    """2-D RoPE: a quarter of the frequencies of a head_dim / 2 RoPE turned by the row, the same
-    turned by the column, the pair then rotating both halves of the head as the 1-D RoPE does."""
-    quarter = head_dim // 2
-    inv_freq = 1.0 / theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter)   # [head_dim/4]
-    angles = np.concatenate([np.outer(rows, inv_freq), np.outer(cols, inv_freq)], axis=-1)  # [patches, hd/2]
-    return np.concatenate([angles, angles], axis=-1)                                     # [patches, head_dim]
-
-
-def mrope_positions(ids, grid_thws, v: VisionConfig) -> np.ndarray:
-    """The (t, h, w) RoPE positions [3, len(ids)] of a prompt whose runs of image_token_id are, in order,
-    the images of `grid_thws` (each a patch grid (t, h, w)), as transformers' get_rope_index gives them.
-    Each run must be exactly its image's tokens (transformers groups consecutive image tokens into one
-    image: two images must be separated, as <|vision_end|><|vision_start|> do)."""
-    ids = np.asarray(ids)
-    m = v.spatial_merge_size
-    is_image = ids == v.image_token_id
-    starts = np.flatnonzero(is_image & ~np.concatenate([[False], is_image[:-1]]))  # where each run begins
-    if len(starts) != len(grid_thws):
-        raise RefengineError(f"prompt: {len(starts)} runs of image tokens (id {v.image_token_id}) for "
-                             f"{len(grid_thws)} images")
-    out, at, pos = [], 0, 0  # the positions so far, the next index, the next position
-    for start, (t, h, w) in zip(starts, grid_thws):
-        out.append(np.broadcast_to(pos + np.arange(start - at), (3, start - at)))  # text: equal streams
-        pos += start - at
-        n = v.image_tokens((t, h, w))
-        run = int(np.argmin(np.append(is_image[start:], False)))  # length of the run
-        if run != n:
-            raise RefengineError(f"prompt: the image tokens at {start} are {run}, its image of grid "
-                                 f"{[t, h, w]} needs {n}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing="ij")
-        out.append(pos + np.stack([tt, hh, ww]).reshape(3, n))               # [3, n]
-        pos += max(h, w) // m
-        at = start + n
-    out.append(np.broadcast_to(pos + np.arange(len(ids) - at), (3, len(ids) - at)))
-    return np.concatenate(out, axis=1).astype(np.int64)                      # [3, len(ids)]
-
-
-def mrope_delta(positions) -> int:
-    """What a token after the prompt adds to its index to get its (equal) t, h, w positions: the
-    prompt's largest position + 1 - its length (transformers' rope_deltas); 0 without an image."""
-    positions = np.asarray(positions)
-    return int(positions.max()) + 1 - positions.shape[1]
-
-
-def mrope_stream(head_dim: int, section) -> np.ndarray:
-    """Which position stream (0 t, 1 h, 2 w) drives each of the head_dim / 2 rotary frequencies, in
-    Qwen3-VL's interleaved layout: frequency j is h's if j % 3 == 1 and j < 3 * section[1], w's if
-    j % 3 == 2 and j < 3 * section[2], else t's."""
-    j = np.arange(head_dim // 2)
-    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
