@@ -240,7 +240,11 @@ def prompt_logprobs(model: Model, prompt_ids, k: int, dtype=np.float64, keep_log
     """vLLM's prompt_logprobs: for each prompt token after the first, its log-probability given the
     tokens before it -- read from the row of the position before it -- with its rank and the k most
     likely ids there. The first token has none (nothing comes before it)."""
-    logits = prompt_logits(model, prompt_ids, dtype)                 # [len(prompt), vocab]
+    return prompt_logprobs_of(prompt_logits(model, prompt_ids, dtype), prompt_ids, k, keep_logits)
+
+
+def prompt_logprobs_of(logits, prompt_ids, k: int, keep_logits: bool = False):
+    """prompt_logprobs read from the prompt's logits [len(prompt), vocab]."""
     out = []
     for position in range(1, len(prompt_ids)):
         row = logits[position - 1]                                   # [vocab]: predicts prompt_ids[position]
@@ -287,7 +291,7 @@ class GenerationResult:
         return [s.top2_margin for s in self.steps]
 
 
-class _Greedy:
+class Greedy:
     """One sequence of a greedy decode: its cache, its tokens, and when it stops."""
 
     def __init__(self, model: Model, prompt_ids, params: SamplingParams, top_k_logprobs: int, keep_logits: bool):
@@ -333,7 +337,7 @@ def generate_lockstep(model: Model, prompts: list, params: list[SamplingParams],
     relative, as between two CPUs (tests/test_streamed_reference.py) -- and the same prompts in the
     same order give the same bits every time. `progress(n)`: called with the tokens a pass made."""
     weights, cfg = model.reference_weights(dtype), model.config
-    running = [_Greedy(model, p, sp, top_k_logprobs, keep_logits) for p, sp in zip(prompts, params)]
+    running = [Greedy(model, p, sp, top_k_logprobs, keep_logits) for p, sp in zip(prompts, params)]
     done = list(running)
     while running:
         logits = next_logits_lockstep(weights, cfg, [(g.next_ids, g.cache) for g in running])

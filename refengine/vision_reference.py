@@ -36,14 +36,18 @@ from .model.vision import (
     VisionWeights,
 )
 from .reference import (
+    GenerationResult,
+    Greedy,
     KVCache,
     apply_rotary,
     final_hidden_with_images,
     linear,
     mrope_angles,
     output_head,
+    prompt_logprobs_of,
     softmax,
 )
+from .sampling import SamplingParams
 
 
 def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS):  # x [..., dim]
@@ -200,12 +204,18 @@ def prompt_logits_with_pixels(model: Model, ids, pixel_values, grid_thws, dtype=
     """Logits [len(ids), vocab] of a prompt whose runs of image tokens are, in order, the images of
     grid_thws, given as their patches pixel_values [patches, patch_dim] (what transformers calls
     pixel_values and image_grid_thw)."""
+    grid_thws = [tuple(int(n) for n in g) for g in grid_thws]
+    embeds, deepstack = vision_forward(model.vision_weights(dtype), model.vision_config, pixel_values, grid_thws) \
+        if grid_thws else (np.zeros((0, model.config.hidden_size), dtype), [])      # [tokens, hidden]
+    return logits_with_features(model, ids, grid_thws, embeds, deepstack, dtype)
+
+
+def logits_with_features(model: Model, ids, grid_thws, embeds, deepstack, dtype=np.float64):
+    """Logits [len(ids), vocab] of a prompt whose image tokens take the tower's output: `embeds` [image
+    tokens, hidden] and the deepstack features, of the images of grid_thws (vision_forward's)."""
     ids = np.asarray(model.check_prompt(ids))
     cfg, v = model.config, model.vision_config
-    grid_thws = [tuple(int(n) for n in g) for g in grid_thws]
     positions = mrope_positions(ids, grid_thws, v)                                  # [3, seq]
-    embeds, deepstack = vision_forward(model.vision_weights(dtype), v, pixel_values, grid_thws) if grid_thws \
-        else (np.zeros((0, cfg.hidden_size), dtype), [])                            # [tokens, hidden]
     weights = model.reference_weights(dtype)
     x = np.array(weights.embed[ids], dtype=dtype)                                   # [seq, hidden]
     image_rows = ids == v.image_token_id                                            # [seq]
@@ -222,3 +232,25 @@ def prompt_logits_with_images(model: Model, ids, images, dtype=np.float64):
     processed = [preprocess_image(image, model.image_processor) for image in images]
     pixel_values = np.concatenate([p.pixel_values for p in processed]) if processed else None
     return prompt_logits_with_pixels(model, ids, pixel_values, [p.grid_thw for p in processed], dtype)
+
+
+def generate_with_images(model: Model, prompt_ids, images, params: SamplingParams, top_k_logprobs: int = 5,
+                         keep_logits: bool = False) -> GenerationResult:
+    """reference.generate for a prompt with images (`images` as prompt_logits_with_images takes them):
+    greedy, stopping as the engine stops, each next token's logits the last row of a forward over the
+    prompt and the answer so far (the answer's tokens continue the prompt's three position streams, all
+    equal after the last image), the tower run once. Prompt logprobs, where asked, from the first forward."""
+    processed = [preprocess_image(image, model.image_processor) for image in images]
+    grids = [p.grid_thw for p in processed]
+    pixel_values = np.concatenate([p.pixel_values for p in processed])                # [patches, patch_dim]
+    embeds, deepstack = vision_forward(model.vision_weights(np.float64), model.vision_config, pixel_values, grids)
+    decode = Greedy(model, prompt_ids, params, top_k_logprobs, keep_logits)
+    prompt_rows = None
+    while decode.result is None:
+        logits = logits_with_features(model, decode.prompt_ids + decode.token_ids, grids, embeds, deepstack)
+        prompt_rows = logits if prompt_rows is None else prompt_rows                  # [len(prompt), vocab]
+        decode.take(logits[-1])
+    if params.prompt_logprobs is not None:
+        decode.result.prompt_logprobs = prompt_logprobs_of(prompt_rows, decode.prompt_ids, params.prompt_logprobs,
+                                                           keep_logits)
+    return decode.result

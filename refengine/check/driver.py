@@ -42,7 +42,8 @@ def configured(config: EngineConfig, mode: str | None = None, fault: str | None 
 
 def _add(engine: LLMEngine, request: ScheduledRequest, source: str) -> None:
     try:
-        engine.add_request(request.id, **request.prompt, params=request.params, cache_salt=request.cache_salt)
+        engine.add_request(request.id, **request.prompt, params=request.params, cache_salt=request.cache_salt,
+                           images=request.image_arrays())
     except RefengineError as e:
         raise RefengineError(f"{source}: {e}") from None
 

@@ -23,6 +23,7 @@ from ..errors import RefengineError
 from ..model import Model
 from ..reference import generate
 from ..sampling import SamplingParams
+from ..vision_reference import generate_with_images
 from .comparison import (
     compare_request,
     logit_deviation,
@@ -30,6 +31,7 @@ from .comparison import (
     logprob_tolerance,
 )
 from .driver import EngineStuck, configured, run_alone, run_batched, settings_text
+from .images import generated_image
 from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .policy import policy_problems
 from .prefix_cache import cache_problems
@@ -53,7 +55,11 @@ class Baselines:
     def alone(self, model: Model, config: EngineConfig, request: ScheduledRequest) -> RequestOutput:
         return run_alone(model, config, request)
 
-    def reference(self, model: Model, prompt_ids: list[int], params: SamplingParams):
+    def reference(self, model: Model, prompt_ids: list[int], params: SamplingParams, images: tuple = ()):
+        """`images`: ScheduledRequest.images, one per run of image tokens in prompt_ids."""
+        if images:
+            return generate_with_images(model, prompt_ids, [generated_image(*i) for i in images], params,
+                                        top_k_logprobs=0, keep_logits=True)
         return generate(model, prompt_ids, params, top_k_logprobs=0, keep_logits=True)
 
 
@@ -193,7 +199,8 @@ def _verdict(model, config, request, against, outputs, baselines, exact, tol, na
     if request.id not in outputs:  # the run stopped at the engine failure before it arrived
         return Verdict(request.id, "skipped", reason="never ran: the engine failed before its arrival")
     want = {"serial": lambda: baselines.alone(model, config, request),
-            "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params),
+            "reference": lambda: baselines.reference(model, outputs[request.id].prompt_ids, request.params,
+                                                        request.images),
             "budget": lambda: wanted[request.id],
             "unspeculated": lambda: baselines.alone(model, replace(config, num_speculative_tokens=0), request),
             }[against]()

@@ -14,6 +14,8 @@ A request's optional `prompt_logprobs`: K (an integer >= 0) asks for each prompt
 given the tokens before it, its rank and the K most likely ids there (vLLM's; reference.prompt_logprobs).
 The engine is asked as the server asks it (SamplingParams.logprobs = max(K, 1): it reports at least
 one alternative); ScheduledRequest.logprobs keeps K, the number of alternatives compared.
+A request's optional `images` (a vision-language model's): generated images, `{"height", "width", "seed"}`
+each (check.images), one per run of image tokens in its prompt_ids or image part of its messages.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ from ..engine import EngineConfig
 from ..engine.config import SETTINGS, SPECULATION_SETTINGS
 from ..errors import RefengineError
 from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
+from .images import generated_image, parse_image
 
 ENGINE_KEYS = set(SETTINGS) | set(SPECULATION_SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 REQUEST_KEYS = {"id", *PROMPT_KEYS, "max_tokens", "arrival_step", "abort_step", "sampling", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "cache_salt", *PROCESSOR_KEYS}
+                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "cache_salt", "images",
+                *PROCESSOR_KEYS}
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "seed"}
 
 
@@ -42,6 +46,11 @@ class ScheduledRequest:
     abort_step: int | None
     logprobs: int | None = None  # alternatives requested per step (0: the chosen token's only); None: no logprobs
     cache_salt: str | None = None  # shares cached KV blocks only with requests of the same salt
+    images: tuple[tuple[int, int, int], ...] = ()  # (height, width, seed) of each generated image
+
+    def image_arrays(self) -> list | None:
+        """The request's images as add_request takes them (None: a text request)."""
+        return [generated_image(*image) for image in self.images] or None
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,12 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
     cache_salt = raw.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise RefengineError(f"{where}.cache_salt: expected a non-empty string, got {cache_salt!r}")
+    images = raw.get("images", [])
+    if not isinstance(images, list):
+        raise RefengineError(f"{where}.images: expected a list of images")
+    if images and "prompt" in prompt:
+        raise RefengineError(f"{where}.images: give them with prompt_ids or messages")
+    images = tuple(parse_image(image, f"{where}.images[{i}]") for i, image in enumerate(images))
     try:
         params = SamplingParams(max_tokens=raw.get("max_tokens", SamplingParams.max_tokens), **sampling,
                                 stop=tuple(raw.get("stop", ())), stop_token_ids=tuple(raw.get("stop_token_ids", ())),
@@ -124,7 +139,7 @@ def _parse_request(raw, index: int, source: str) -> ScheduledRequest:
                                 prompt_logprobs=prompt_logprobs, n=n, **processor_params(raw))
     except (RefengineError, TypeError) as e:
         raise RefengineError(f"{where}: {e}") from None
-    return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt)
+    return ScheduledRequest(request_id, prompt, params, arrival, abort, logprobs, cache_salt, images)
 
 
 def parse_schedule(data, source: str = "<schedule>") -> Schedule:

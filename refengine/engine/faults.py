@@ -64,6 +64,11 @@ class Fault(Enum):
     REJECTION_RESAMPLES_TARGET = "rejection-resamples-target"
     DRAFT_POSITIONS_OFF_ON_JOIN = "draft-positions-off-on-join"
     DRAFT_PROBS_UNTEMPERED = "draft-probs-untempered"
+    IMAGE_POSITIONS_FROM_STEP_ROWS = "image-positions-from-step-rows"
+    IMAGE_FEATURES_FROM_NEIGHBOUR = "image-features-from-neighbour"
+    DEEPSTACK_ONE_LAYER_LATE = "deepstack-one-layer-late"
+    TEXT_AFTER_IMAGE_ONE_POSITION = "text-after-image-one-position"
+    IMAGE_FEATURES_RESTART_AT_CHUNK = "image-features-restart-at-chunk"
 
 
 DESCRIPTIONS = {
@@ -219,6 +224,25 @@ DESCRIPTIONS = {
         "divides by (and the residual subtracts) is the draft model's plain softmax, without the request's "
         "temperature, top-k and top-p that the draft was drawn under: drafts are accepted at the wrong rate, "
         "every token still one the target could draw, so only a distribution test sees it",
+    Fault.IMAGE_POSITIONS_FROM_STEP_ROWS:
+        "images: a request's three position streams are read at its token indices plus the step rows before "
+        "its chunk, as if counted over the packed step without restarting at each request: right whenever its "
+        "chunk comes first in the step (alone always), shifted behind another request's chunk",
+    Fault.IMAGE_FEATURES_FROM_NEIGHBOUR:
+        "images: every image row of a step takes its features from the first request in the step that feeds "
+        "image tokens (one feature buffer per step, not per request): right alone, a neighbour's image batched",
+    Fault.DEEPSTACK_ONE_LAYER_LATE:
+        "images: the tower's deepstack level n is added to the image rows after decoder layer n + 1 instead of "
+        "n, the last level after no layer at all (identical batched and alone: only the float64 reference "
+        "sees it)",
+    Fault.TEXT_AFTER_IMAGE_ONE_POSITION:
+        "images: the text after an image continues from the image's start plus one, as if the image were one "
+        "token, instead of plus its longer merged side (identical batched and alone, and right for an image of "
+        "one merged row and column: only the float64 reference sees it)",
+    Fault.IMAGE_FEATURES_RESTART_AT_CHUNK:
+        "images: a prefill chunk's image tokens take feature rows counted from the chunk's first image token "
+        "instead of their place among the request's: right for a prompt fed in one chunk, and a chunk boundary "
+        "inside or after an image gives the image tokens after it the first ones' features",
     Fault.ECHO_IGNORED:
         "the server accepts echo on completions and answers without the prompt's text before the answer's "
         "(serve layer)",

@@ -57,7 +57,7 @@ from .faults import Fault
 from .kernels import top2
 from .metrics import EngineMetrics, SpeculationCounters
 from .model_runner import ModelRunner
-from .multimodal import RequestImages
+from .multimodal import RequestImages, longer_side
 from .outputs import RequestOutput, TokenEvent, request_output
 from .penalties import PenaltyRows
 from .prompt_logprobs import PromptScorer
@@ -112,6 +112,7 @@ class LLMEngine:
             else (lambda j, n: j)
         self._duplicate_bonus = fault is Fault.BONUS_TOKEN_DUPLICATED
         self._residual = fault is not Fault.REJECTION_RESAMPLES_TARGET
+        self._image_span = (lambda rows, cols: 1) if fault is Fault.TEXT_AFTER_IMAGE_ONE_POSITION else longer_side
 
     def add_request(self, request_id: str, prompt_ids=None, *, prompt: str | None = None,
                     messages: list[dict] | None = None, params: SamplingParams = SamplingParams(),
@@ -151,7 +152,8 @@ class LLMEngine:
             elif messages is not None:
                 prompt_ids = tokenizer.encode_chat(messages)
             prompt_ids = self.model.check_prompt(prompt_ids, what="prompt")
-            request_images = RequestImages(self.model, prompt_ids, processed) if images is not None else None
+            request_images = RequestImages(self.model, prompt_ids, processed, self._image_span) \
+                if images is not None else None
         except (TypeError, ValueError) as e:  # RefengineError is a ValueError
             raise RefengineError(f"request {request_id!r}: {e}") from None
         family = None if params.n == 1 else request_id

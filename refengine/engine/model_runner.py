@@ -155,6 +155,14 @@ class ModelRunner:
         self.moves_spans = self.short_chunk_past or self.short_decode_after_prefill
         self.scored_from_step_start = config.injected is Fault.PROMPT_LOGPROBS_ROWS_FROM_STEP_START
         self.draft_positions_off = config.injected is Fault.DRAFT_POSITIONS_OFF_ON_JOIN
+        # an image request's chunk: the indices its angles are read at, given its tokens' and the rows before it
+        self._turned_at = (lambda at, lo: at + lo) if config.injected is Fault.IMAGE_POSITIONS_FROM_STEP_ROWS \
+            else (lambda at, lo: at)
+        self._image_features = _step_first_features if config.injected is Fault.IMAGE_FEATURES_FROM_NEIGHBOUR \
+            else _own_features
+        self._feature_rows = _rows_from_chunk_start if config.injected is Fault.IMAGE_FEATURES_RESTART_AT_CHUNK \
+            else (lambda feature: feature)
+        self.deepstack_late = int(config.injected is Fault.DEEPSTACK_ONE_LAYER_LATE)  # layers after the right one
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.cos, self.sin = rope_tables(config.max_model_len, cfg.head_dim, cfg.rope_theta)
         self.takes_images = cfg.arch in VISION_LANGUAGE  # a text model's steps never look for images
@@ -227,8 +235,8 @@ class ModelRunner:
                                                   self.k_cache, self.v_cache, slots)
                 x = fused_layers.after_attention(x, self._attend(layer, q, plan, scale), self.stacked, layer,
                                                  cfg.rms_norm_eps)
-                if layer < len(levels):
-                    x[rows] += levels[layer]
+                if 0 <= layer - self.deepstack_late < len(levels):
+                    x[rows] += levels[layer - self.deepstack_late]
             return x
         num_tokens, q_size, kv_size = x.shape[0], cfg.q_size, cfg.kv_size
         for layer, w in enumerate(self.layers):
@@ -248,8 +256,8 @@ class ModelRunner:
             else:
                 gate_up = self._project(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up, w.gate_up_bias)
                 x = x + self._project(silu_mul(gate_up), w.down, w.down_bias)
-            if layer < len(levels):
-                x[rows] += levels[layer]
+            if 0 <= layer - self.deepstack_late < len(levels):
+                x[rows] += levels[layer - self.deepstack_late]
         return x
 
     def _multimodal(self, chunks: list[ScheduledChunk], positions: np.ndarray):
@@ -257,19 +265,20 @@ class ModelRunner:
         per row (a text row's are the tables'; an image request's from its three position streams), the
         rows that are image tokens, their features [rows, hidden] and deepstack features per level."""
         cos, sin = self.cos[positions], self.sin[positions]  # copies: the tables stay as they are
-        rows, embeds, levels, lo = [], [], [], 0
+        rows, embeds, levels, lo, first = [], [], [], 0, None
         for c in chunks:
             images, at = getattr(c.seq, "images", None), positions[lo:lo + c.num_tokens]
             if images is not None:
-                angles = images.angles(at, self.inv_freq)            # [num_tokens, head_dim] float64
+                angles = images.angles(self._turned_at(at, lo), self.inv_freq)  # [num_tokens, head_dim] float64
                 cos[lo:lo + c.num_tokens], sin[lo:lo + c.num_tokens] = np.cos(angles), np.sin(angles)
-                feature = images.rows(at)                            # [num_tokens]
+                feature = self._feature_rows(images.rows(at))        # [num_tokens]
                 if (feature >= 0).any():
                     self.images_encoded += images.encode()
-                    features, deepstack = images.features
+                    first = first or images
                     rows.append(lo + np.flatnonzero(feature >= 0))
-                    embeds.append(features[feature[feature >= 0]])
-                    levels.append([level[feature[feature >= 0]] for level in deepstack])
+                    features, deepstack = self._image_features(images, first, feature[feature >= 0])
+                    embeds.append(features)
+                    levels.append(deepstack)
             lo += c.num_tokens
         hidden = self.cfg.hidden_size
         rows = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
@@ -355,3 +364,16 @@ class ModelRunner:
         if chunks[i].phase == "prefill" and i + 1 < len(chunks) and chunks[i + 1].phase == "decode":
             return end - 1 + chunks[i + 1].num_tokens  # Fault.CHUNK_ORDER_DEPENDENT_LOGITS_ROW
         return end - 1
+
+
+def _own_features(images, first, feature):  # -> features [rows, hidden], deepstack levels [rows, hidden] each
+    features, deepstack = images.features
+    return features[feature], [level[feature] for level in deepstack]
+
+
+def _step_first_features(images, first, feature):  # Fault.IMAGE_FEATURES_FROM_NEIGHBOUR
+    return _own_features(first, first, feature % len(first.features[0]))
+
+
+def _rows_from_chunk_start(feature):  # Fault.IMAGE_FEATURES_RESTART_AT_CHUNK
+    return np.where(feature >= 0, np.cumsum(feature >= 0) - 1, -1)

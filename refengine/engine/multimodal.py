@@ -28,12 +28,16 @@ from ..model.vision import VisionConfig
 from .vision import encode_images
 
 
-def positions(ids: np.ndarray, grids: list, v: VisionConfig) -> tuple[np.ndarray, int]:
+def longer_side(rows: int, cols: int) -> int:
+    return max(rows, cols)
+
+
+def positions(ids: np.ndarray, grids: list, v: VisionConfig, span=longer_side) -> tuple[np.ndarray, int]:
     """(t, h, w) RoPE positions [3, len(ids)] of a prompt whose runs of image tokens are the images of
     `grids`, in order, and what a token after it adds to its index. Walking the prompt, a text token takes
     the next position on all three streams; an image's run, starting at position p, takes p + its frame
     on t and p + its merged row and column on h and w, and the next position is p + the longer merged
-    side of the image."""
+    side of the image (`span`: Fault.TEXT_AFTER_IMAGE_ONE_POSITION's one instead)."""
     is_image = ids == v.image_token_id
     runs = int(np.count_nonzero(is_image[1:] & ~is_image[:-1]) + (len(ids) > 0 and is_image[0]))
     if runs != len(grids):
@@ -52,7 +56,7 @@ def positions(ids: np.ndarray, grids: list, v: VisionConfig) -> tuple[np.ndarray
                                  f"{[t, h, w]} takes")
         frame, rest = np.divmod(np.arange(tokens), rows * cols)
         out[:, index:index + tokens] = position + np.stack([frame, rest // cols, rest % cols])
-        index, position = index + tokens, position + max(rows, cols)
+        index, position = index + tokens, position + span(rows, cols)
     return out, position - len(ids)
 
 
@@ -67,14 +71,15 @@ def frequency_streams(head_dim: int, section) -> np.ndarray:
 
 
 class RequestImages:
-    def __init__(self, model: Model, prompt_ids: list[int], processed: list[ProcessedImage]):
-        """`processed`: model.image.preprocess_image's, one per run of image tokens in `prompt_ids`, in order."""
+    def __init__(self, model: Model, prompt_ids: list[int], processed: list[ProcessedImage], span=longer_side):
+        """`processed`: model.image.preprocess_image's, one per run of image tokens in `prompt_ids`, in order;
+        `span`: what positions() advances by after an image."""
         v = model.vision_config
         self.model = model
         self.grids = [p.grid_thw for p in processed]
         self.pixel_values = np.concatenate([p.pixel_values for p in processed]).astype(np.float32)
         ids = np.asarray(prompt_ids)
-        self.positions, self.delta = positions(ids, self.grids, v)  # [3, prompt], int
+        self.positions, self.delta = positions(ids, self.grids, v, span)  # [3, prompt], int
         # prompt index -> its row of the features (-1: not an image token)
         self.feature_row = np.where(ids == v.image_token_id, np.cumsum(ids == v.image_token_id) - 1, -1)
         self.digest = hashlib.sha256(repr(self.grids).encode() + self.pixel_values.tobytes()).digest()

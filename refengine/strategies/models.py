@@ -21,6 +21,7 @@ from ..model.cache import cached_tiny_model, random_model_dir
 from ..model.tiny import TinySpec
 
 DEFAULT_MODEL = "qwen3-gqa2-tied"
+VISION_MODEL = "qwen3vl-gqa2-tied"  # the one that takes images
 VOCAB_SIZE = 512  # every configuration shares it, so one prompt strategy serves them all
 
 TINY_CONFIGS = {
@@ -33,6 +34,9 @@ TINY_CONFIGS = {
     # 4 experts, 2 per token, renormalized; layer 1 of 3 a dense MLP among the sparse ones
     "qwen3moe-e4k2": TinySpec(arch="qwen3_moe", layers=3, tie=False, experts=4, experts_per_tok=2,
                               moe_intermediate=32, mlp_only_layers=(1,)),
+    # Qwen3-VL: the text model under a two-block vision tower (model.tiny.TINY_VISION); schedules' images
+    # (strategies.schedules) run on it, every other model takes the requests without them
+    VISION_MODEL: TinySpec(arch="qwen3_vl"),
 }
 
 
@@ -61,5 +65,5 @@ def tiny_model(name: str = DEFAULT_MODEL) -> Model:
 
 
 def tiny_model_names() -> st.SearchStrategy[str]:
-    """qwen3 / qwen2 / llama / qwen3_moe; GQA 2:1 and 4:1, MQA, MHA; tied and untied heads."""
+    """qwen3 / qwen2 / llama / qwen3_moe / qwen3_vl; GQA 2:1 and 4:1, MQA, MHA; tied and untied heads."""
     return st.sampled_from(list(TINY_CONFIGS))

@@ -12,6 +12,10 @@ A schedule is engine settings, then requests, then who samples, then a KV pool:
 - prompt logprobs: a request in three asks for them (`"prompt_logprobs": K`, K of PROMPT_LOGPROB_COUNTS),
   drawn with how they leave (a pick by request number would move to another request as the shrinker
   deletes the ones before it);
+- images: some requests get one or two generated images (IMAGES: where in the prompt, height and width
+  around the tiny vision model's merge multiple, a seed), drawn as (request, images) picks after the rest;
+  suite.harness.resolve_images places them as image tokens on a vision-language model and drops them on
+  any other;
 - the pool always holds the largest request (each request fits alone, so each is admissible);
 - logits processors: about three requests in four ask for penalties, a logit bias or min_tokens
   (see processors), drawn with how they leave.
@@ -37,7 +41,7 @@ from hypothesis import strategies as st
 
 from .engine_settings import engine_settings
 from .processors import KINDS, processor_fields
-from .prompts import prompts
+from .prompts import MAX_PROMPT_LEN, prompts
 from .sampling import SAMPLERS, seeded
 
 MAX_REQUESTS = 5
@@ -50,6 +54,13 @@ PROMPT_LOGPROB_COUNTS = (None, None, None, None, 0, 5)  # None: not asked for
 FORKS = (1, 2, 3)  # n: answers to one prompt (schedules with `forks` only)
 SHAPES = st.sampled_from([True, False])  # burst first
 HEADROOM = st.integers(1, MAX_TOKENS // 2)  # tokens each burst resident generates before the pool runs out
+# Image sides in pixels, around the tiny vision model's merge multiple of 8 (patches of 4 merged 2x2;
+# max_pixels 32x32): 8 is one image token, where the shrinker goes; 16 the first with two rows or columns
+IMAGE_SIDES = (8, 16, 24, 32, 7, 9, 15, 17, 40)
+IMAGE = st.builds(lambda at, height, width, seed: {"at": at, "height": height, "width": width, "seed": seed},
+                  st.integers(0, MAX_PROMPT_LEN), st.sampled_from(IMAGE_SIDES), st.sampled_from(IMAGE_SIDES),
+                  st.integers(0, 255))
+IMAGES = st.lists(IMAGE, min_size=1, max_size=2)  # a request's: `at` the prompt token the image goes before
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -119,10 +130,10 @@ def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
 @st.composite
 def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int = MAX_REQUESTS,
               allow_seeded: bool | None = None, allow_abort: bool = True, prompt_logprobs: bool = True,
-              forks: bool = False) -> dict:
+              forks: bool = False, images: bool = True) -> dict:
     """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws.
     `prompt_logprobs` False: no request asks for them. `forks`: two requests in three ask for n of 2 or 3
-    (FORKS), the others for one answer."""
+    (FORKS), the others for one answer. `images` False: no request has images."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
     burst = draw(SHAPES)
@@ -138,4 +149,6 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
         if request.get("n", 1) > 1 and "sampling" not in request:  # one asking for several samples
             request["sampling"] = {**SAMPLERS[0], "seed": n}
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
+    for n, drawn in draw(picks(IMAGES, max_requests)) if images else ():  # last: the draws before mean what
+        reqs[n % len(reqs)]["images"] = drawn                               # they meant without
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}

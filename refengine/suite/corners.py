@@ -5,7 +5,11 @@ runs, n answers forked beside other requests and from a chunked prefill, a preem
 arrival both waiting, an abort a step after arrival,
 a cache hit on a running request's prompt (with and without prompt logprobs), the same prompt under
 another cache_salt, a conversation's next turn,
-draft tokens verified, all accepted and some rejected, behind another request's chunk.
+draft tokens verified, all accepted and some rejected, behind another request's chunk, two requests'
+images fed in one step behind a text request with a chunk boundary inside an image, text after a
+two-row image.
+A corner runs on the suite's base model unless it names another (a top-level "model": a vision-language
+one for images); a chunking-consistency corner also gives its "other_budget".
 Random runs of the dev profile's budget reach them only now and then (refengine bench --scenario faults;
 the performance pages have the figures); the fault hunts (suite.hunts) try them first too.
 """
@@ -15,7 +19,7 @@ import copy
 
 from hypothesis import example
 
-from ..strategies.models import DEFAULT_MODEL
+from ..strategies.models import DEFAULT_MODEL, VISION_MODEL
 
 
 def _engine(**settings) -> dict:
@@ -24,6 +28,20 @@ def _engine(**settings) -> dict:
 
 SAMPLED = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
 LOOPING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # prompt lookup proposes 7, 8, 5 after it
+
+
+def _image(at: int, height: int, width: int, seed: int) -> dict:  # as strategies.schedules.IMAGE draws one
+    return {"at": at, "height": height, "width": width, "seed": seed}
+
+
+# Behind a one-token text request, two requests with a 16x16 image (4 image tokens) after their first
+# token, 8 tokens each: a budget of 12 feeds all of the first and the second's first image token in step 0,
+# the rest of the second's image in step 1
+IMAGES_IN_ONE_STEP = {"model": VISION_MODEL, "engine": _engine(block_size=2, num_blocks=24, max_num_batched_tokens=12),
+                      "requests": [
+    {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 4},
+    {"id": "r1", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 4, "images": [_image(1, 16, 16, 1)]},
+    {"id": "r2", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 4, "images": [_image(1, 16, 16, 2)]}]}
 
 CORNERS = {  # property -> {situation: schedule}
     "invariant-mode-is-exact": {
@@ -53,10 +71,19 @@ CORNERS = {  # property -> {situation: schedule}
         "aborted-a-step-after-arrival": {"engine": _engine(block_size=1, num_blocks=9), "requests": [
             {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "abort_step": 1, "max_tokens": 8}]},
         # a request whose prompt repeats itself verifies drafts while it is not the step's first chunk
+        "images-fed-in-one-step": IMAGES_IN_ONE_STEP,
         "drafts-verified-behind-another": {"engine": _engine(block_size=2, num_blocks=16, num_speculative_tokens=3),
                                            "requests": [
             {"id": "r0", "prompt_ids": [0], "arrival_step": 0, "max_tokens": 6},
             {"id": "r1", "prompt_ids": LOOPING, "arrival_step": 0, "max_tokens": 6}]},
+    },
+    "chunking-consistency": {
+        "image-split-by-a-chunk": {**IMAGES_IN_ONE_STEP, "other_budget": 64},
+    },
+    "reference-agreement": {
+        # a 24x16 image (3 rows of 2 merged patches) between two text tokens
+        "text-after-an-image": {"model": VISION_MODEL, "engine": _engine(block_size=2, num_blocks=12), "requests": [
+            {"id": "r0", "prompt_ids": [0, 0], "arrival_step": 0, "max_tokens": 4, "images": [_image(1, 24, 16, 1)]}]},
     },
     "speculation-changes-no-greedy-answer": {
         # prompts that repeat themselves: r0's drafts all accepted, r1's three drafts one accepted, on one-token
@@ -96,14 +123,22 @@ CORNERS = {  # property -> {situation: schedule}
 
 
 def corners(prop: str) -> list[dict]:
-    """The corner schedules of property `prop` (fresh copies: a check may rewrite its schedule)."""
-    return [copy.deepcopy(schedule) for schedule in CORNERS.get(prop, {}).values()]
+    """The corners of property `prop` as its test's arguments: `model`, `schedule` (a fresh copy: a check
+    may rewrite its schedule) and, where the corner gives one, `other_budget`."""
+    out = []
+    for corner in copy.deepcopy(list(CORNERS.get(prop, {}).values())):
+        args = {"model": corner.pop("model", DEFAULT_MODEL), "schedule": corner}
+        if "other_budget" in corner:
+            args["other_budget"] = corner.pop("other_budget")
+        out.append(args)
+    return out
 
 
 def with_corners(prop: str):
-    """Decorate a property's @given test (parameters `model`, `schedule`) with `prop`'s corners."""
+    """Decorate a property's @given test (parameters `model`, `schedule`[, `other_budget`]) with `prop`'s
+    corners."""
     def decorate(test):
-        for schedule in reversed(corners(prop)):  # decorators apply bottom-up: tried in the listed order
-            test = example(model=DEFAULT_MODEL, schedule=schedule)(test)
+        for args in reversed(corners(prop)):  # decorators apply bottom-up: tried in the listed order
+            test = example(**args)(test)
         return test
     return decorate

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 
 from ..check.calibrate import calibration_for
 from ..check.driver import run_batched
+from ..check.images import generated_image, image_run
 from ..check.output_oracle import expected_finish, settled_length, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
 from ..check.schedule import children, parse_schedule
+from ..model.config import VISION_LANGUAGE
 from ..strategies import schedules
 from ..strategies.engine_settings import MODES
 from ..strategies.models import VOCAB_SIZE, make_tiny_command, tiny_model
@@ -86,12 +88,14 @@ class MemoizedBaselines(Baselines):
         self.runs: OrderedDict = OrderedDict()
 
     def alone(self, model, config, request):
-        key = ("alone", str(model.path), config, json.dumps(request.prompt, sort_keys=True), request.params)
+        key = ("alone", str(model.path), config, json.dumps(request.prompt, sort_keys=True), request.params,
+               request.images)
         return _remember(self.runs, key, lambda: super(MemoizedBaselines, self).alone(model, config, request))
 
-    def reference(self, model, prompt_ids, params):
-        key = ("reference", str(model.path), tuple(prompt_ids), params)
-        return _remember(self.runs, key, lambda: super(MemoizedBaselines, self).reference(model, prompt_ids, params))
+    def reference(self, model, prompt_ids, params, images=()):
+        key = ("reference", str(model.path), tuple(prompt_ids), params, images)
+        return _remember(self.runs, key,
+                         lambda: super(MemoizedBaselines, self).reference(model, prompt_ids, params, images))
 
 
 baselines = MemoizedBaselines()
@@ -141,6 +145,47 @@ def observe(schedule: dict, trace: list[dict]) -> set[str]:
     return seen
 
 
+def resolve_images(model_name: str, schedule: dict) -> dict:
+    """The schedule with each drawn image (strategies.schedules.IMAGES: `{"at", "height", "width", "seed"}`)
+    in its request's prompt, as the schedule format has it: its run of image tokens (check.images.image_run)
+    before the prompt's token `at` (at its end where `at` is past it), the request's `images` the
+    (height, width, seed) objects in prompt order; an image token drawn as text made 0, so the runs are the
+    images'; the pool grown to hold the longest request alone. A model without vision, and a conversation
+    (`continues`: its next turn resends the earlier prompt, cut where it must fit), take the requests
+    without their images. A schedule without drawn images (none, or placed already) comes back as it was."""
+    if not any("at" in image for r in schedule["requests"] for image in r.get("images", ())):
+        return schedule
+    model, engine, out = tiny_model(model_name), dict(schedule["engine"]), []
+    vision = model.config.arch in VISION_LANGUAGE
+    conversed = {r["continues"] for r in schedule["requests"] if "continues" in r}
+    for raw in schedule["requests"]:
+        if not any("at" in image for image in raw.get("images", ())):  # none, or placed
+            out.append(raw)
+            continue
+        request = {k: v for k, v in raw.items() if k != "images"}
+        if not vision or "continues" in raw or raw["id"] in conversed:
+            out.append(request)
+            continue
+        pad = model.vision_config.image_token_id
+        prompt = [0 if i == pad else i for i in raw["prompt_ids"]]
+        length = len(prompt)
+        images = sorted(raw["images"], key=lambda image: min(image["at"], length))  # stable: in drawn order
+        for image in reversed(images):  # the last first: each goes where the prompt's own tokens put it
+            at = min(image["at"], length)
+            prompt[at:at] = image_run(model, generated_image(image["height"], image["width"], image["seed"]))
+        request["prompt_ids"] = prompt
+        request["images"] = [{k: image[k] for k in ("height", "width", "seed")} for image in images]
+        engine["num_blocks"] = max(engine["num_blocks"], blocks_for(len(prompt) + request["max_tokens"],
+                                                                    engine["block_size"]))
+        out.append(request)
+    return {**schedule, "engine": engine, "requests": out}
+
+
+def prepared(model_name: str, schedule: dict) -> dict:
+    """A drawn schedule as `model_name` runs it: its images placed, its conversations resolved."""
+    return resolve_continuations(model_name, resolve_images(model_name, schedule))
+
+
 def resolve_continuations(model_name: str, schedule: dict) -> dict:
     """The schedule with every `"continues": "rM"` (strategies.shared_prefixes) made a prompt: rM's
     prompt, rM's answer alone (greedy or with its seed: the answer a chat client got), then the
@@ -173,7 +218,7 @@ def resolve_continuations(model_name: str, schedule: dict) -> dict:
 def check(name: str, model_name: str, schedule: dict, against: str = "serial", other_budget: int | None = None,
           fault: str | None = None, on_events=None) -> ReplayResult:
     """Properties 1-4: replay `schedule` and judge every request against `against` (refengine.replay)."""
-    schedule = resolve_continuations(model_name, schedule)
+    schedule = prepared(model_name, schedule)
     if other_budget is not None:  # a verifying decode runs whole: no budget below it
         other_budget = max(other_budget, 1 + schedule["engine"].get("num_speculative_tokens", 0))
     model = tiny_model(model_name)
@@ -198,7 +243,7 @@ def check_streaming(name: str, model_name: str, schedule: dict, choose_stops) ->
     earliest stop string; it keeps exactly the tokens of its stop-free run up to the first one that
     completes a stop string (or an eos, or max_tokens), with that finish reason (check.output_oracle:
     defined apart from the engine's rules); and alone it gives the same tokens and text."""
-    model = tiny_model(model_name)
+    model, schedule = tiny_model(model_name), prepared(model_name, schedule)
     config = parse_schedule(schedule, name).engine
     free = {r.id: baselines.alone(model, config, r) for r in parse_schedule(schedule, name).requests}
     stopped = {**schedule, "requests": [{**r, "stop": choose_stops(free[r["id"]].text)}

@@ -16,7 +16,6 @@ from hypothesis import find, settings
 from hypothesis import strategies as st
 
 from ..strategies import shared_prefix_schedules, tiny_model_names
-from ..strategies.models import DEFAULT_MODEL
 from .corners import corners
 from .harness import PropertyFailure, any_mode_schedules, check, greedy_schedules, invariant_schedules, other_budgets
 from .test_finish import check_finish, finish_schedules
@@ -109,6 +108,11 @@ CAUGHT_BY = {
     "rejection-resamples-target": "speculative-sampling-distribution",  # not schedule-shaped: tests/test_speculation.py
     "draft-positions-off-on-join": "invariant-mode-is-exact",
     "draft-probs-untempered": "speculative-sampling-distribution",  # not schedule-shaped: tests/test_speculation.py
+    "image-positions-from-step-rows": "invariant-mode-is-exact",
+    "image-features-from-neighbour": "invariant-mode-is-exact",
+    "deepstack-one-layer-late": "reference-agreement",
+    "text-after-image-one-position": "reference-agreement",
+    "image-features-restart-at-chunk": "chunking-consistency",
 }
 STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-table-after-preemption": "KV accounting",
                          "evicted-block-still-cached":
@@ -124,7 +128,7 @@ STATE_MACHINE_CATCHES = {"abort-leaks-blocks": "KV accounting", "stale-block-tab
 def corner_examples(prop: str) -> list[tuple]:
     """What the hunt of `prop` tries before drawing: its corners (suite.corners), the @examples the suite's
     test of it runs first."""
-    return [(DEFAULT_MODEL, schedule) for schedule in corners(prop)]
+    return [tuple(args.values()) for args in corners(prop)]
 
 
 def hunt(fault: str, budget: settings, rng: Random | None = None,

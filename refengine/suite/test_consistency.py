@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ..strategies import schedules, tiny_model_names
 from ..strategies.engine_settings import MODES
 from ..strategies.models import VOCAB_SIZE
+from .corners import with_corners
 from .harness import any_mode_schedules, check, other_budgets
 
 pytestmark = pytest.mark.invariants
@@ -24,5 +25,6 @@ def test_decode_logits_equal_a_fresh_prefill_of_the_prefix(model, schedule):
 
 
 @given(model=tiny_model_names(), schedule=any_mode_schedules, other_budget=other_budgets)
+@with_corners("chunking-consistency")
 def test_any_chunk_size_gives_the_same_outputs(model, schedule, other_budget):
     check("chunking-consistency", model, schedule, against="budget", other_budget=other_budget)

@@ -9,8 +9,8 @@ from hypothesis import Phase, given, settings
 from ..check.driver import run_batched
 from ..check.schedule import parse_schedule
 from ..strategies import schedules, tiny_model
-from ..strategies.models import VOCAB_SIZE
-from .harness import COVERAGE, coverage
+from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE
+from .harness import COVERAGE, coverage, prepared
 
 pytestmark = pytest.mark.invariants
 DEV_EXAMPLES = 25
@@ -22,6 +22,7 @@ def test_schedules_reach_preemption_chunking_mixed_steps_aborts_and_batches():
     @settings(max_examples=DEV_EXAMPLES, derandomize=True, database=None, phases=[Phase.generate])
     @given(schedule=schedules(VOCAB_SIZE))
     def run(schedule):
+        schedule = prepared(DEFAULT_MODEL, schedule)
         parsed = parse_schedule(schedule, "coverage")
         engine, failure = run_batched(tiny_model(), parsed, parsed.engine)
         assert failure is None, failure

@@ -25,8 +25,9 @@ from ..check.driver import configured, run_batched
 from ..check.schedule import parse_schedule
 from ..errors import RefengineError
 from ..strategies import tiny_model, tiny_model_names
+from ..strategies.models import DEFAULT_MODEL
 from .corners import with_corners
-from .harness import any_mode_schedules, fail, observe
+from .harness import any_mode_schedules, fail, observe, prepared
 
 pytestmark = pytest.mark.invariants
 NAME = "finish-semantics"
@@ -93,6 +94,7 @@ def late_aborts(parsed, streamed, num_steps: int) -> list[str]:
 def check_finish(name: str, model_name: str, schedule: dict, fault: str | None = None):
     """Run `schedule` batched (the one driver) and judge how each request ended (finish_problems);
     PropertyFailure (with a repro file) when anything is off. Returns the engine."""
+    schedule = prepared(model_name, schedule)
     parsed = parse_schedule(schedule, name)
     streamed = defaultdict(list)
 
@@ -160,7 +162,7 @@ def test_finish_schedules_reach_aborts_after_finish():
     @settings(max_examples=DEV_EXAMPLES, derandomize=True, database=None, phases=[Phase.generate])
     @given(schedule=finish_schedules())
     def run(schedule):
-        parsed = parse_schedule(schedule, "coverage")
+        parsed = parse_schedule(prepared(DEFAULT_MODEL, schedule), "coverage")
         streamed = defaultdict(list)
         engine, failure = run_batched(tiny_model(), parsed, parsed.engine, keep_logits=False,
                                       on_events=lambda events: [streamed[e.request_id].append(e) for e in events])

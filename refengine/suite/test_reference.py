@@ -15,20 +15,23 @@ from hypothesis import given
 from ..check.output_oracle import expected_finish
 from ..check.schedule import parse_schedule
 from ..strategies import tiny_model, tiny_model_names
-from .harness import baselines, check, fail, greedy_schedules
+from .corners import with_corners
+from .harness import baselines, check, fail, greedy_schedules, prepared
 
 pytestmark = pytest.mark.invariants
 NAME = "reference-agreement"
 
 
 @given(model=tiny_model_names(), schedule=greedy_schedules)
+@with_corners(NAME)
 def test_engine_agrees_with_the_float64_reference(model, schedule):
+    schedule = prepared(model, schedule)
     result = check(NAME, model, schedule, against="reference")
     tiny, wrong = tiny_model(model), []
     for request in parse_schedule(schedule, NAME).requests:
         if request.id not in result.outputs:
             continue
-        ref = baselines.reference(tiny, result.outputs[request.id].prompt_ids, request.params)
+        ref = baselines.reference(tiny, result.outputs[request.id].prompt_ids, request.params, request.images)
         ends = expected_finish(ref.token_ids, tiny.tokenizer.decode, request.params, tiny.config.eos_token_ids)
         if ends != (len(ref.token_ids), ref.finish_reason):
             wrong.append(f"{request.id}: the reference ended after {len(ref.token_ids)} tokens, {ref.finish_reason!r}; "

@@ -68,7 +68,7 @@ def _all_seeded(example) -> dict:
 
 
 # Join/leave schedules of either kernel mode in which every request samples with a seed.
-SAMPLED = {mode: st.tuples(schedules(VOCAB_SIZE, mode, allow_seeded=True),
+SAMPLED = {mode: st.tuples(schedules(VOCAB_SIZE, mode, allow_seeded=True, images=False),
                            st.lists(seeded, min_size=MAX_REQUESTS, max_size=MAX_REQUESTS)) for mode in MODES}
 sampled_schedules = st.sampled_from(MODES).flatmap(SAMPLED.get).map(_all_seeded)
 

@@ -1,0 +1,48 @@
+"""Images in schedules: generated from three numbers, so a schedule, a repro file and a shrunk example
+carry an image as `{"height": h, "width": w, "seed": s}` and every run rebuilds the same pixels.
+
+The pixels are uniform noise (numpy's PCG64 from `seed`): a random-weight model's answers depend on an
+image's content through its tower either way, and noise has no structure a fault could happen to
+preserve. Sizes around the model's patch-merge multiple matter (the processor resizes to multiples of
+patch_size * merge_size, so 7, 8 and 9 pixels may all become one merged patch, 15-17 two); the
+strategies draw them there (strategies.schedules.IMAGE_SIDES).
+
+A schedule request with images gives prompt_ids holding each image's run of image tokens as
+add_request takes it (`image_run` writes one: vision start, the image's tokens, vision end), or
+messages with image parts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RefengineError
+from ..model import Model
+from ..model.image import image_grid
+
+IMAGE_KEYS = ("height", "width", "seed")
+MAX_SIDE = 4096
+
+
+def parse_image(raw, where: str) -> tuple[int, int, int]:
+    """(height, width, seed) of a schedule's image object at `where`."""
+    if not isinstance(raw, dict) or set(raw) != set(IMAGE_KEYS):
+        raise RefengineError(f"{where}: expected an object with exactly {', '.join(IMAGE_KEYS)}, got {raw!r}")
+    height, width, seed = (raw[k] for k in IMAGE_KEYS)
+    for key, value, low, high in (("height", height, 1, MAX_SIDE), ("width", width, 1, MAX_SIDE),
+                                  ("seed", seed, 0, 2**63 - 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise RefengineError(f"{where}.{key}: expected an integer in [{low}, {high}], got {value!r}")
+    return height, width, seed
+
+
+def generated_image(height: int, width: int, seed: int) -> np.ndarray:
+    """The RGB uint8 pixels [height, width, 3] of image (height, width, seed)."""
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def image_run(model: Model, image: np.ndarray) -> list[int]:
+    """The prompt ids an image takes in `model`'s prompts: vision start, one image token per merged patch
+    of the image as the model's processor resizes it, vision end."""
+    v = model.vision_config
+    tokens = v.image_tokens(image_grid(image, model.image_processor))
+    return [v.vision_start_token_id, *[v.image_token_id] * tokens, v.vision_end_token_id]
