@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from refengine.check import calibrate
 from refengine.check.images import generated_image, image_run
 from refengine.check.replay import replay
 from refengine.check.schedule import parse_schedule
@@ -134,3 +135,13 @@ def test_a_repros_make_tiny_command_rebuilds_the_suites_vision_model(tmp_path):
     subprocess.run([sys.executable, "-m", "refengine", "make-tiny", str(tmp_path / "vl"), *flags], check=True,
                    capture_output=True, timeout=300)
     assert load_model(tmp_path / "vl").fingerprint == tiny_model(VISION_MODEL).fingerprint
+
+
+def test_a_vision_models_calibration_measures_prompts_with_images():
+    """The tower's float32 noise is in the bounds the image properties apply: the reference's image prompts are
+    among the rows compared, and the engine's image requests among the runs (an image fault breaks them)."""
+    model, text = tiny_model(VISION_MODEL), tiny_model(DEFAULT_MODEL)
+    rows = calibrate.reference_noise(model)["rows"]
+    assert rows == calibrate.reference_noise(text)["rows"] + len(calibrate.CALIBRATION_IMAGES) * calibrate.MAX_TOKENS
+    with pytest.raises(RefengineError, match="the engine itself is broken|exceeds the float32 ceiling"):
+        calibrate.calibrate(model, VISION_MODEL, fault="image-positions-from-step-rows")

@@ -6,8 +6,9 @@ explain itself), and none taken from the engine when it is itself in question:
 
 - f32_vs_f64: the float32 REFERENCE forward (refengine.reference in float32 weights: the same pure
   math, no scheduler, no paging, no batching) against the float64 reference, on the calibration
-  prompts teacher-forced through the float64 greedy answers, as one prefill and token by token;
-  the largest |logit difference|. The engine's kernels never enter it, so an engine bug cannot
+  prompts teacher-forced through the float64 greedy answers, as one prefill and token by token
+  (a vision-language model's prompts with images, CALIBRATION_IMAGES, as one prefill, the tower in
+  float32 too); the largest |logit difference|. The engine's kernels never enter it, so an engine bug cannot
   widen it (an attention bug once made the engine-measured version 2-10 logits, and the properties
   accepted everything).
 - f32_batched_vs_serial: the fast-mode engine, a request inside the calibration's batched schedules
@@ -89,11 +90,15 @@ from ..engine import (
 from ..errors import RefengineError
 from ..model import Model
 from ..model.cache import cache_dir
+from ..model.config import VISION_LANGUAGE
+from ..sampling import SamplingParams
+from ..vision_reference import generate_with_images, prompt_logits_with_images
 from .comparison import logit_deviation
 from .driver import run_alone, run_batched
+from .images import IMAGE_KEYS, generated_image, placed
 from .margin_rule import SAFETY_FACTOR
 from .rounded import BOUND_KEYS, MAX_TOKENS, PROMPT_LENGTHS, calibration_prompts, precision_noise, teacher_forced
-from .schedule import parse_schedule
+from .schedule import ScheduledRequest, parse_schedule
 
 LAMBDA = 6  # the ceiling's probabilistic rounding-error multiplier (module docstring)
 EPS_F32 = float(np.finfo(np.float32).eps)  # 2^-23
@@ -102,16 +107,38 @@ SETTINGS = (  # each a different batching pattern: chunked prefill + mixed steps
     {"max_num_seqs": 12, "max_num_batched_tokens": 64, "block_size": 16},
     {"max_num_seqs": 6, "max_num_batched_tokens": 5, "block_size": 1, "num_blocks": 96},
 )
+# A vision-language model's calibration also runs prompts with an image (check.images: generated) after
+# their first token: (calibration prompt, height, width, seed), sizes of 6, 16 and 2 image tokens
+CALIBRATION_IMAGES = ((4, 24, 16, 1), (6, 32, 32, 2), (8, 9, 17, 3))
 KEYS = ("f32_batched_vs_serial", "f32_vs_f64", "safety_factor")
 BOUNDS = ("f32_batched_vs_serial", "f32_vs_f64")
 SIXTEEN_BIT_KEYS = (BOUND_KEYS["bf16"], BOUND_KEYS["fp16"])  # optional keys, bounds of 16-bit servers (check.rounded)
 STORED_DIR = "golden"  # of the package data: committed calibrations, beside the golden files they went into
 
 
-def calibration_schedules(vocab_size: int) -> list[dict]:
+def image_prompts(model: Model) -> list[tuple[list[int], tuple[int, int, int]]]:
+    """(prompt ids, image) of the calibration's prompts with an image (CALIBRATION_IMAGES); none for a
+    text model."""
+    if model.config.arch not in VISION_LANGUAGE:
+        return []
+    prompts = calibration_prompts(model.config.vocab_size)
+    return [(placed(model, prompts[n], [(1, (h, w, seed))]), (h, w, seed)) for n, h, w, seed in CALIBRATION_IMAGES]
+
+
+def calibration_schedules(model: Model) -> list[dict]:
     requests = [{"id": f"c{n}", "prompt_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                 "arrival_step": 2 * n} for n, prompt in enumerate(calibration_prompts(vocab_size))]
+                 "arrival_step": 2 * n} for n, prompt in enumerate(calibration_prompts(model.config.vocab_size))]
+    requests += [{"id": f"i{n}", "prompt_ids": ids, "images": [dict(zip(IMAGE_KEYS, image))], "max_tokens": MAX_TOKENS,
+                  "ignore_eos": True, "arrival_step": 2 * n + 1} for n, (ids, image) in enumerate(image_prompts(model))]
     return [{"engine": {"mode": "fast", **settings}, "requests": requests} for settings in SETTINGS]
+
+
+def float64_answer(model: Model, request: ScheduledRequest):
+    """The float64 reference's greedy answer to a calibration request, with the logits of every step."""
+    if request.images:
+        return generate_with_images(model, request.prompt["prompt_ids"], request.image_arrays(), request.params,
+                                    top_k_logprobs=0, keep_logits=True)
+    return reference.generate(model, request.prompt["prompt_ids"], request.params, top_k_logprobs=0, keep_logits=True)
 
 
 def agreeing_deviations(got, want) -> list[float]:
@@ -178,6 +205,15 @@ def reference_noise(model: Model) -> dict:
                            + [reference.forward(w32, cfg, [t], cache)[-1] for t in answer[:-1]])
         for got in (prefilled, decoded):
             deviations += np.abs(got.astype(np.float64) - want).max(axis=-1).tolist()
+    for prompt, image in image_prompts(model):  # no cached decode with images in the reference: one prefill
+        pixels = [generated_image(*image)]
+        answer = generate_with_images(model, prompt, pixels, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                                      top_k_logprobs=0)
+        ids = prompt + answer.token_ids[:-1]
+        rows = slice(len(prompt) - 1, len(ids))
+        want = prompt_logits_with_images(model, ids, pixels)[rows]                   # [tokens, vocab] float64
+        got = prompt_logits_with_images(model, ids, pixels, np.float32)[rows]        # [tokens, vocab] float32
+        deviations += np.abs(got.astype(np.float64) - want).max(axis=-1).tolist()
     return {"max": float(max(deviations)), "median": float(np.median(deviations)), "rows": len(deviations)}
 
 
@@ -190,9 +226,8 @@ def calibrate(model: Model, name: str | None = None, fault: str | None = None) -
     limit = require_within_ceiling(model, name, {"f32_vs_f64 (float32 reference)": precision["max"]},
                                    "calibration: the float32 reference itself")
     batch_noise, engine_noise = [], []
-    schedules = [parse_schedule(s, "calibration") for s in calibration_schedules(model.config.vocab_size)]
-    references = {r.id: reference.generate(model, r.prompt["prompt_ids"], r.params, top_k_logprobs=0, keep_logits=True)
-                  for r in schedules[0].requests}
+    schedules = [parse_schedule(s, "calibration") for s in calibration_schedules(model)]
+    references = {r.id: float64_answer(model, r) for r in schedules[0].requests}
     for schedule in tqdm(schedules, desc="calibrate", unit="schedule", leave=False):
         config = replace(schedule.engine, fault=fault) if fault else schedule.engine
         engine, failure = run_batched(model, schedule, config)
@@ -218,6 +253,8 @@ def calibrate(model: Model, name: str | None = None, fault: str | None = None) -
         "ceiling": limit,
         "measured": {
             "prompts": len(PROMPT_LENGTHS), "prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": MAX_TOKENS,
+            **({"image_prompts": [{**dict(zip(("prompt", *IMAGE_KEYS), i)), "arrival_step": 2 * n + 1}
+                                  for n, i in enumerate(CALIBRATION_IMAGES)]} if image_prompts(model) else {}),
             "settings": list(SETTINGS), "arrivals": "request n joins at step 2n",
             "batched_vs_serial_mode": "fast",
             "batched_vs_serial_tokens": len(batch_noise),

@@ -8,8 +8,8 @@ patch_size * merge_size, so 7, 8 and 9 pixels may all become one merged patch, 1
 strategies draw them there (strategies.schedules.IMAGE_SIDES).
 
 A schedule request with images gives prompt_ids holding each image's run of image tokens as
-add_request takes it (`image_run` writes one: vision start, the image's tokens, vision end), or
-messages with image parts.
+add_request takes it (`image_run` writes one: vision start, the image's tokens, vision end; `placed`
+puts images into a prompt of token ids), or messages with image parts.
 """
 from __future__ import annotations
 
@@ -46,3 +46,16 @@ def image_run(model: Model, image: np.ndarray) -> list[int]:
     v = model.vision_config
     tokens = v.image_tokens(image_grid(image, model.image_processor))
     return [v.vision_start_token_id, *[v.image_token_id] * tokens, v.vision_end_token_id]
+
+
+def placed(model: Model, prompt: list[int], images: list[tuple[int, tuple[int, int, int]]]) -> list[int]:
+    """`prompt` with each (at, (height, width, seed)) of `images` as its run of image tokens before the
+    prompt's token `at` (at its end where `at` is past it; images at one token in the listed order), and
+    the prompt's own image tokens made 0, so that the runs are the images'. The images must be listed in
+    the order of their `at`."""
+    pad = model.vision_config.image_token_id
+    out = [0 if token == pad else token for token in prompt]
+    for at, image in reversed(images):  # the last first: each goes where the prompt's own tokens put it
+        at = min(at, len(prompt))
+        out[at:at] = image_run(model, generated_image(*image))
+    return out

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ..check.calibrate import calibration_for
 from ..check.driver import run_batched
-from ..check.images import generated_image, image_run
+from ..check.images import placed
 from ..check.output_oracle import expected_finish, settled_length, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
@@ -166,13 +166,9 @@ def resolve_images(model_name: str, schedule: dict) -> dict:
         if not vision or "continues" in raw or raw["id"] in conversed:
             out.append(request)
             continue
-        pad = model.vision_config.image_token_id
-        prompt = [0 if i == pad else i for i in raw["prompt_ids"]]
-        length = len(prompt)
+        length = len(raw["prompt_ids"])
         images = sorted(raw["images"], key=lambda image: min(image["at"], length))  # stable: in drawn order
-        for image in reversed(images):  # the last first: each goes where the prompt's own tokens put it
-            at = min(image["at"], length)
-            prompt[at:at] = image_run(model, generated_image(image["height"], image["width"], image["seed"]))
+        prompt = placed(model, raw["prompt_ids"], [(i["at"], (i["height"], i["width"], i["seed"])) for i in images])
         request["prompt_ids"] = prompt
         request["images"] = [{k: image[k] for k in ("height", "width", "seed")} for image in images]
         engine["num_blocks"] = max(engine["num_blocks"], blocks_for(len(prompt) + request["max_tokens"],
