@@ -130,10 +130,10 @@ def fitted_pool(draw, reqs: list[dict], engine: dict, burst: bool) -> int:
 @st.composite
 def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int = MAX_REQUESTS,
               allow_seeded: bool | None = None, allow_abort: bool = True, prompt_logprobs: bool = True,
-              forks: bool = False, images: bool = True) -> dict:
+              forks: bool = False) -> dict:
     """Seeded sampling defaults to invariant mode only: a top-2 margin explains greedy flips, not draws.
     `prompt_logprobs` False: no request asks for them. `forks`: two requests in three ask for n of 2 or 3
-    (FORKS), the others for one answer. `images` False: no request has images."""
+    (FORKS), the others for one answer."""
     if allow_seeded is None:
         allow_seeded = mode == "invariant"
     burst = draw(SHAPES)
@@ -149,6 +149,6 @@ def schedules(draw, vocab_size: int, mode: str = "invariant", max_requests: int 
         if request.get("n", 1) > 1 and "sampling" not in request:  # one asking for several samples
             request["sampling"] = {**SAMPLERS[0], "seed": n}
     engine["num_blocks"] = fitted_pool(draw, reqs, engine, burst)
-    for n, drawn in draw(picks(IMAGES, max_requests)) if images else ():  # last: the draws before mean what
-        reqs[n % len(reqs)]["images"] = drawn                               # they meant without
+    for n, images in draw(picks(IMAGES, max_requests)):  # last: the draws before mean what they meant without
+        reqs[n % len(reqs)]["images"] = images
     return {"engine": engine, "requests": [{"id": f"r{n}", **r} for n, r in enumerate(reqs)]}

@@ -5,7 +5,7 @@ top-k or temperature that is wrong the same way alone and batched is invisible t
 judge is refengine.check.sampling_oracle, written afresh from the HF/vLLM definitions:
 - support: on Hypothesis join/leave schedules where every request samples with a seed, every drawn
   token lies in the oracle's support computed on the FLOAT64 reference logits of its prefix (prompt
-  + the tokens generated before it), processed by the float64 definition of its penalties, bias and
+  + the tokens generated before it, and its images on the vision model), processed by the float64 definition of its penalties, bias and
   min_tokens (reference.adjusted_logits), with boundary tokens the calibrated f32-vs-f64 noise can
   flip allowed either way; and every engine row stays within that noise of the reference row.
 - distribution: for each sampler of SAMPLERS (and of PROCESSED_SAMPLERS, with penalties and bias),
@@ -30,6 +30,7 @@ from hypothesis.extra.numpy import arrays
 from ..check.calibrate import calibration_for
 from ..check.comparison import logit_deviation
 from ..check.driver import configured, run_batched
+from ..check.images import generated_image
 from ..check.margin_rule import processed_noise_gain, tolerance
 from ..check.sampling_oracle import goodness_of_fit, nucleus
 from ..check.schedule import parse_schedule
@@ -41,7 +42,8 @@ from ..strategies import SAMPLERS, schedules, seeded, tiny_model_names
 from ..strategies.engine_settings import MODES, draft_model_dir
 from ..strategies.models import DEFAULT_MODEL, VOCAB_SIZE, tiny_model
 from ..strategies.schedules import MAX_REQUESTS
-from .harness import PropertyFailure, coverage
+from ..vision_reference import prompt_logits_with_images
+from .harness import PropertyFailure, coverage, prepared
 
 pytestmark = pytest.mark.invariants
 
@@ -68,7 +70,7 @@ def _all_seeded(example) -> dict:
 
 
 # Join/leave schedules of either kernel mode in which every request samples with a seed.
-SAMPLED = {mode: st.tuples(schedules(VOCAB_SIZE, mode, allow_seeded=True, images=False),
+SAMPLED = {mode: st.tuples(schedules(VOCAB_SIZE, mode, allow_seeded=True),
                            st.lists(seeded, min_size=MAX_REQUESTS, max_size=MAX_REQUESTS)) for mode in MODES}
 sampled_schedules = st.sampled_from(MODES).flatmap(SAMPLED.get).map(_all_seeded)
 
@@ -79,15 +81,19 @@ def noise_bound(model) -> float:
 
 
 @functools.lru_cache(maxsize=512)  # shrinking re-runs the same requests
-def reference_rows(model_name: str, prompt: tuple, generated: tuple) -> np.ndarray:
-    """The float64 logits row each generated token was drawn from: [len(generated), vocab]."""
-    return prompt_logits(tiny_model(model_name), list(prompt + generated[:-1]))[len(prompt) - 1:]
+def reference_rows(model_name: str, prompt: tuple, generated: tuple, images: tuple = ()) -> np.ndarray:
+    """The float64 logits row each generated token was drawn from: [len(generated), vocab]. `images`: the
+    request's (ScheduledRequest.images), one per run of image tokens in `prompt`."""
+    model, ids = tiny_model(model_name), list(prompt + generated[:-1])
+    logits = prompt_logits_with_images(model, ids, [generated_image(*i) for i in images]) if images \
+        else prompt_logits(model, ids)
+    return logits[len(prompt) - 1:]
 
 
 def check_sampled_support(model_name: str, schedule: dict, fault: str | None = None) -> int:
     """Run `schedule` batched; every sampled token must be in the oracle's support on the float64
     logits of its prefix. Returns how many tokens were judged; PropertyFailure otherwise."""
-    model = tiny_model(model_name)
+    model, schedule = tiny_model(model_name), prepared(model_name, schedule)
     noise = noise_bound(model)
     parsed = parse_schedule(schedule, SUPPORT)
     engine, failure = run_batched(model, parsed, configured(parsed.engine, fault=fault))
@@ -99,7 +105,7 @@ def check_sampled_support(model_name: str, schedule: dict, fault: str | None = N
         out, p = engine.output(request.id), request.params
         if p.greedy or not out.token_ids:
             continue
-        rows = reference_rows(model_name, tuple(out.prompt_ids), tuple(out.token_ids))
+        rows = reference_rows(model_name, tuple(out.prompt_ids), tuple(out.token_ids), request.images)
         for i, (step, want) in enumerate(zip(out.steps, rows)):
             where = f"{request.id}: generated token {i} (engine step {step.step})"
             deviation = logit_deviation(step.logits, want)
