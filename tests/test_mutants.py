@@ -12,7 +12,8 @@ variants the load sends (validate/plan, board, variants' report), golden answers
 their special tokens written (check/golden, validate/baseline), the progress the driver watches
 alone and serial runs for (check/driver, check/replay), the scheduler's policy read from a run
 (check/policy), speculative decoding's account (check/speculation) and its baseline without
-speculation (check/replay), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
+speculation (check/replay), images in schedules, the float64 reference and the calibration (check/images,
+check/schedule, check/driver, check/replay, check/calibrate), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -45,6 +46,7 @@ POLICY, T_POLICY = "refengine/check/policy.py", ["tests/test_policy.py"]
 RAY, T_RAY = "refengine/check/golden_ray.py", ["tests/test_golden_ray.py"]
 SPECULATION, T_SPECULATION = "refengine/check/speculation.py", ["tests/test_speculation.py", "-k", "account or fault"]
 T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
+IMAGES, T_IMAGES = "refengine/check/images.py", ["tests/test_schedule_images.py"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
 
@@ -263,6 +265,20 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "baselines.alone(model, config, request)", T_SPECULATION),
     ("refengine/check/replay.py", 'if against == "unspeculated" and not request.params.greedy:',
      "if False:", ["tests/test_speculation.py", "-k", "unspeculated"]),
+    # images in schedules: their format, their place in the prompt, the reference and the calibration with them
+    (IMAGES, "set(raw) != set(IMAGE_KEYS)", "not set(IMAGE_KEYS) <= set(raw)", T_IMAGES),
+    (IMAGES, "return [v.vision_start_token_id, *[v.image_token_id] * tokens, v.vision_end_token_id]",
+     "return [v.vision_start_token_id, *[v.image_token_id] * tokens]", T_IMAGES),
+    (IMAGES, "out = [0 if token == pad else token for token in prompt]", "out = list(prompt)", T_IMAGES),
+    (IMAGES, "for at, image in reversed(images):", "for at, image in images:", T_IMAGES),
+    ("refengine/check/schedule.py", 'if images and "prompt" in prompt:', "if False:", T_IMAGES),
+    (DRIVER, "images=request.image_arrays())", "images=None)", T_IMAGES),
+    ("refengine/check/replay.py", "        if images:\n            return generate_with_images(", "        if False:\n"
+     "            return generate_with_images(", T_IMAGES),
+    ("refengine/check/calibrate.py", "    if model.config.arch not in VISION_LANGUAGE:\n        return []",
+     "    if True:\n        return []", T_IMAGES),
+    ("refengine/check/calibrate.py", "    for prompt, image in image_prompts(model):", "    for prompt, image in []:",
+     T_IMAGES),
     # the golden refresh on Ray (skipped, and so not killed, where the ray extra is missing)
     (RAY, "    if here != numerics:\n", "    if False:\n", T_RAY),
     (RAY, "cases = [case for n in range(len(groups)) for case in answers[n]]",

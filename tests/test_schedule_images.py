@@ -22,7 +22,7 @@ from refengine.strategies.models import (
     tiny_model,
     tiny_model_dir,
 )
-from refengine.suite.harness import prepared, resolve_images
+from refengine.suite.harness import REPRO_DIR_VAR, PropertyFailure, check, prepared, resolve_images
 
 START, END, PAD = 3, 4, 5  # the tiny Qwen3-VL tokenizer's <|vision_start|>, <|vision_end|>, <|image_pad|>
 ENGINE = {"mode": "invariant", "max_num_seqs": 4, "max_num_batched_tokens": 6, "block_size": 2,
@@ -145,3 +145,24 @@ def test_a_vision_models_calibration_measures_prompts_with_images():
     assert rows == calibrate.reference_noise(text)["rows"] + len(calibrate.CALIBRATION_IMAGES) * calibrate.MAX_TOKENS
     with pytest.raises(RefengineError, match="the engine itself is broken|exceeds the float32 ceiling"):
         calibrate.calibrate(model, VISION_MODEL, fault="image-positions-from-step-rows")
+
+
+@pytest.mark.parametrize("fault", [None, "deepstack-one-layer-late", "text-after-image-one-position"])
+def test_the_engine_with_images_agrees_with_the_float64_reference_unless_an_image_fault_is_on(fault, tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setenv(REPRO_DIR_VAR, str(tmp_path))
+    schedule = drawn((1, 24, 16, 1), (3, 16, 8, 2))
+    if fault is None:
+        assert check("reference-agreement", VISION_MODEL, schedule, against="reference").passed
+    else:
+        with pytest.raises(PropertyFailure, match="r0"):
+            check("reference-agreement", VISION_MODEL, schedule, against="reference", fault=fault)
+
+
+def test_an_images_keys_must_be_exactly_the_formats():
+    schedule = {"engine": ENGINE, "requests": [{"id": "r0", "prompt_ids": [1],
+                                                 "images": [{"at": 0, "height": 8, "width": 8, "seed": 1}]}]}
+    with pytest.raises(RefengineError, match=r"images\[0\]"):  # a drawn image not placed is no schedule's
+        parse_schedule(schedule, "s.json")
+    schedule["requests"][0]["images"][0].pop("at")
+    assert parse_schedule(schedule, "s.json").requests[0].images == ((8, 8, 1),)
