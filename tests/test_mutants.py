@@ -13,7 +13,9 @@ their special tokens written (check/golden, validate/baseline), the progress the
 alone and serial runs for (check/driver, check/replay), the scheduler's policy read from a run
 (check/policy), speculative decoding's account (check/speculation) and its baseline without
 speculation (check/replay), images in schedules, the float64 reference and the calibration (check/images,
-check/schedule, check/driver, check/replay, check/calibrate), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
+check/schedule, check/driver, check/replay, check/calibrate), images in prompt and golden files and what
+validate sends and measures of them (check/case_images, check/golden_check, validate/plan, margins,
+baseline), and the golden refresh on Ray (check/golden_ray; slow: a pytest run per mutant)."""
 from __future__ import annotations
 
 import os
@@ -47,6 +49,8 @@ RAY, T_RAY = "refengine/check/golden_ray.py", ["tests/test_golden_ray.py"]
 SPECULATION, T_SPECULATION = "refengine/check/speculation.py", ["tests/test_speculation.py", "-k", "account or fault"]
 T_STUCK = ["tests/test_invariants_faults.py", "-k", "never_ends or allowance"]
 IMAGES, T_IMAGES = "refengine/check/images.py", ["tests/test_schedule_images.py"]
+CASE_IMAGES, T_GOLDEN_IMAGES = "refengine/check/case_images.py", ["tests/test_golden_images.py"]
+T_VALIDATE_IMAGES = ["tests/test_validate_images.py", "-k", "data_urls or margins or serial_baseline or passes"]
 T_VARIANTS = ["tests/test_validate.py", "tests/test_dialects.py", "tests/test_validate_baselines.py", "-k",
               "variant or every_answer or clean_server or passes"]
 
@@ -279,6 +283,17 @@ MUTANTS = [  # (module, text, mutated text, tests that must fail)
      "    if True:\n        return []", T_IMAGES),
     ("refengine/check/calibrate.py", "    for prompt, image in image_prompts(model):", "    for prompt, image in []:",
      T_IMAGES),
+    # images in prompt and golden files: pinned, never fetched, sent to chat as data URLs, measured with them
+    (CASE_IMAGES, "if given is not None and given.lower() != digest:", "if False:", T_GOLDEN_IMAGES),
+    (CASE_IMAGES, "    elif URL_SCHEME.match(url):\n", "    elif False:\n", T_GOLDEN_IMAGES),
+    (CASE_IMAGES, "if given is None and require_sha256:", "if False:", T_GOLDEN_IMAGES),
+    ("refengine/check/golden_check.py", "images=c.images)", ")", T_GOLDEN_IMAGES),
+    (PLAN, 'if api == "completions" and case.images:', "if False:", T_VALIDATE_IMAGES),
+    (PLAN, "inline_messages(p.case.messages, p.case.images) if p.case.images else p.case.messages",
+     "p.case.messages", T_VALIDATE_IMAGES),
+    ("refengine/validate/margins.py", "if images else prompt_logits(self.model, ids)[-1]",
+     "if False else prompt_logits(self.model, ids)[-1]", T_VALIDATE_IMAGES),
+    (BASELINE, "processed(case), case.images)", "processed(case))", T_VALIDATE_IMAGES),
     # the golden refresh on Ray (skipped, and so not killed, where the ray extra is missing)
     (RAY, "    if here != numerics:\n", "    if False:\n", T_RAY),
     (RAY, "cases = [case for n in range(len(groups)) for case in answers[n]]",

@@ -11,7 +11,7 @@ from refengine.check.schedule import parse_schedule
 from refengine.engine import EngineConfig, LLMEngine
 from refengine.sampling import SamplingParams
 from refengine.strategies import DEFAULT_MODEL, shared_prefix_schedules
-from refengine.suite.harness import resolve_continuations
+from refengine.suite.harness import prepared
 
 
 def test_the_property_reaches_cache_hits_and_hits_under_preemption(tiny_model):
@@ -22,7 +22,7 @@ def test_the_property_reaches_cache_hits_and_hits_under_preemption(tiny_model):
     @settings(max_examples=25, database=None, derandomize=True)
     @given(schedule=shared_prefix_schedules("invariant"))
     def look(schedule):
-        resolved = resolve_continuations(DEFAULT_MODEL, schedule)
+        resolved = prepared(DEFAULT_MODEL, schedule)
         engine, failure = run_batched(tiny_model, parse_schedule(resolved, "coverage"),
                                       parse_schedule(resolved, "coverage").engine, keep_logits=False)
         assert failure is None, failure

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from refengine.check import calibrate
-from refengine.check.images import generated_image, image_run
+from refengine.check.images import GeneratedImage, generated_image, image_run
 from refengine.check.replay import replay
 from refengine.check.schedule import parse_schedule
 from refengine.errors import RefengineError
@@ -165,4 +165,4 @@ def test_an_images_keys_must_be_exactly_the_formats():
     with pytest.raises(RefengineError, match=r"images\[0\]"):  # a drawn image not placed is no schedule's
         parse_schedule(schedule, "s.json")
     schedule["requests"][0]["images"][0].pop("at")
-    assert parse_schedule(schedule, "s.json").requests[0].images == ((8, 8, 1),)
+    assert parse_schedule(schedule, "s.json").requests[0].images == (GeneratedImage(8, 8, 1),)

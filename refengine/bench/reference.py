@@ -47,6 +47,10 @@ def refresh_cases(path: str | Path | None, max_tokens: int | None) -> tuple[Path
         cases = load_prompts(path)
     except RefengineError as e:
         raise RefengineError(f"prompts: {e}") from None
+    for case in cases:  # the lockstep decode it times has no images: it would answer another prompt
+        if case.images:
+            raise RefengineError(f"prompts: {case.where}: shows images; the reference cost is timed on text cases "
+                                 f"only (remove its image parts)")
     if max_tokens is not None:
         cases = [dataclasses.replace(c, max_tokens=min(c.max_tokens, max_tokens)) for c in cases]
     return path, cases

@@ -95,7 +95,7 @@ from ..sampling import SamplingParams
 from ..vision_reference import generate_with_images, prompt_logits_with_images
 from .comparison import logit_deviation
 from .driver import run_alone, run_batched
-from .images import IMAGE_KEYS, generated_image, placed
+from .images import IMAGE_KEYS, GeneratedImage, placed
 from .margin_rule import SAFETY_FACTOR
 from .rounded import BOUND_KEYS, MAX_TOKENS, PROMPT_LENGTHS, calibration_prompts, precision_noise, teacher_forced
 from .schedule import ScheduledRequest, parse_schedule
@@ -116,19 +116,20 @@ SIXTEEN_BIT_KEYS = (BOUND_KEYS["bf16"], BOUND_KEYS["fp16"])  # optional keys, bo
 STORED_DIR = "golden"  # of the package data: committed calibrations, beside the golden files they went into
 
 
-def image_prompts(model: Model) -> list[tuple[list[int], tuple[int, int, int]]]:
+def image_prompts(model: Model) -> list[tuple[list[int], GeneratedImage]]:
     """(prompt ids, image) of the calibration's prompts with an image (CALIBRATION_IMAGES); none for a
     text model."""
     if model.config.arch not in VISION_LANGUAGE:
         return []
     prompts = calibration_prompts(model.config.vocab_size)
-    return [(placed(model, prompts[n], [(1, (h, w, seed))]), (h, w, seed)) for n, h, w, seed in CALIBRATION_IMAGES]
+    return [(placed(model, prompts[n], [(1, GeneratedImage(h, w, seed))]), GeneratedImage(h, w, seed))
+            for n, h, w, seed in CALIBRATION_IMAGES]
 
 
 def calibration_schedules(model: Model) -> list[dict]:
     requests = [{"id": f"c{n}", "prompt_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
                  "arrival_step": 2 * n} for n, prompt in enumerate(calibration_prompts(model.config.vocab_size))]
-    requests += [{"id": f"i{n}", "prompt_ids": ids, "images": [dict(zip(IMAGE_KEYS, image))], "max_tokens": MAX_TOKENS,
+    requests += [{"id": f"i{n}", "prompt_ids": ids, "images": [image.as_json()], "max_tokens": MAX_TOKENS,
                   "ignore_eos": True, "arrival_step": 2 * n + 1} for n, (ids, image) in enumerate(image_prompts(model))]
     return [{"engine": {"mode": "fast", **settings}, "requests": requests} for settings in SETTINGS]
 
@@ -206,7 +207,7 @@ def reference_noise(model: Model) -> dict:
         for got in (prefilled, decoded):
             deviations += np.abs(got.astype(np.float64) - want).max(axis=-1).tolist()
     for prompt, image in image_prompts(model):  # no cached decode with images in the reference: one prefill
-        pixels = [generated_image(*image)]
+        pixels = [image.pixels()]
         answer = generate_with_images(model, prompt, pixels, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                                       top_k_logprobs=0)
         ids = prompt + answer.token_ids[:-1]

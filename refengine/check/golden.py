@@ -10,13 +10,18 @@ I-1, I-1+N, ... (round robin, so long and short cases spread evenly) and writes 
 file whose header says so (`shard`: index, count, the prompt set's sha256 and its case ids in
 order). `merge_shards` checks that the shards are the N of one prompt set, made from one model with
 one calibration, generation and BLAS, and writes the file an unsharded refresh writes, byte for byte.
+
+A chat case may show images (check.case_images: data URLs or paths, each pinned by its sha256): its
+prompt ids hold each image's widened run of placeholder tokens, and the float64 answer comes from
+vision_reference.generate_with_images, one image case at a time (the text cases of its lockstep group
+still decode together, so shards and whole refreshes give the same bytes).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,6 +36,15 @@ from ..model.cache import DEFAULT_MODEL_NAME
 from ..model.tiny import TINY_RECIPE, TRAINED_RECIPE
 from ..reference import generate_lockstep
 from ..sampling import SamplingParams
+from ..vision_reference import generate_with_images
+from .case_images import (
+    CaseImage,
+    check_content,
+    encode_with_images,
+    read_images,
+    text_messages,
+    written_messages,
+)
 from .margin_rule import tolerance
 
 GOLDEN_FORMAT = 1
@@ -64,13 +78,21 @@ class PromptCase:
     prompt: str | None = None
     messages: list | None = None
     chat_template_kwargs: dict | None = None  # template arguments for `messages` (enable_thinking, ...)
+    images: tuple[CaseImage, ...] = ()  # the image parts of `messages`, in order (check.case_images)
+    source: str = field(default="", compare=False)  # "FILE:LINE" of its line
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}: case {self.id!r}" if self.source else f"case {self.id!r}"
 
     def encode(self, model: Model) -> list[int]:
-        if self.messages:
-            ids = model.tokenizer.encode_chat(self.messages, **(self.chat_template_kwargs or {}))
+        if self.images:
+            ids = encode_with_images(model, self.where, self.messages, self.images, self.chat_template_kwargs)
+        elif self.messages:
+            ids = model.tokenizer.encode_chat(text_messages(self.messages), **(self.chat_template_kwargs or {}))
         else:
             ids = model.tokenizer.encode(self.prompt)
-        return model.check_prompt(ids, f"case {self.id!r}")
+        return model.check_prompt(ids, self.where)
 
 
 @dataclass(frozen=True)
@@ -87,6 +109,7 @@ class GoldenCase:
     top_logprobs: list[list]
     text_offsets: list[int] | None  # len(text) once token i is detokenized: text[:text_offsets[i]] is settled
     chat_template_kwargs: dict | None = None  # the template arguments `messages` were rendered with
+    images: tuple[CaseImage, ...] = ()  # the image parts of `messages`, in order, verified (check.case_images)
 
     def text_before(self, step: int) -> str:
         return self.text[:self.text_offsets[step - 1]] if step > 0 and self.text_offsets else ""
@@ -136,11 +159,6 @@ class Golden:
                 f"{model.path} is {model.fingerprint}; use that model or refresh the golden file for this one")
 
 
-def _is_chat(messages) -> bool:
-    return isinstance(messages, list) and bool(messages) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
-
-
 def _check_template_kwargs(where: str, obj: dict) -> None:
     if TEMPLATE_KWARGS_KEY not in obj:
         return
@@ -151,6 +169,7 @@ def _check_template_kwargs(where: str, obj: dict) -> None:
 
 
 def load_prompts(path: str | Path) -> list[PromptCase]:
+    """The cases of a prompt file; image parts' files are read (relative to its folder) and verified."""
     cases, seen = [], set()
     for where, obj in json_lines(Path(path)):
         unknown = set(obj) - PROMPT_KEYS
@@ -167,12 +186,13 @@ def load_prompts(path: str | Path) -> list[PromptCase]:
             raise RefengineError(f"{where}: give exactly one of 'prompt' (text) or 'messages' (chat)")
         if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
             raise RefengineError(f"{where}: 'prompt' must be a non-empty string")
-        if "messages" in obj and not _is_chat(obj["messages"]):
-            raise RefengineError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} strings")
+        if "messages" in obj:
+            check_content(where, obj["messages"])
         _check_template_kwargs(where, obj)
         seen.add(case_id)
+        images = read_images(f"{where}: case {case_id!r}", obj.get("messages"), Path(path).parent, False)
         cases.append(PromptCase(case_id, max_tokens, obj.get("prompt"), obj.get("messages"),
-                                obj.get(TEMPLATE_KWARGS_KEY)))
+                                obj.get(TEMPLATE_KWARGS_KEY), images, where))
     if not cases:
         raise RefengineError(f"{path}: no prompts")
     return cases
@@ -186,17 +206,27 @@ def lockstep_groups(cases: list, size: int = LOCKSTEP_GROUP) -> list[list]:
 
 def reference_cases(model: Model, cases: list[PromptCase], desc: str = "golden",
                     group: int = LOCKSTEP_GROUP) -> list[GoldenCase]:
-    """The float64 reference's answers to `cases`, each lockstep group of them decoded together
-    (reference.generate_lockstep: one pass over the weights per token for the group, each answer its
-    case's alone up to float64 rounding); progress in tokens."""
+    """The float64 reference's answers to `cases`: the text cases of each lockstep group decoded together
+    (reference.generate_lockstep: one pass over the weights per token for them, each answer its case's
+    alone up to float64 rounding), its image cases one at a time (vision_reference.generate_with_images);
+    progress in tokens."""
     prompt_ids = [case.encode(model) for case in cases]
     params = [SamplingParams(max_tokens=case.max_tokens) for case in cases]
-    groups, results = list(zip(lockstep_groups(prompt_ids, group), lockstep_groups(params, group))), []
+    runs, results = lockstep_groups(list(range(len(cases))), group), {}
     with tqdm(total=sum(case.max_tokens for case in cases), desc=desc, unit="tok") as bar:
-        for ids, sp in groups:
-            results += generate_lockstep(model, ids, sp, top_k_logprobs=TOP_K_LOGPROBS, progress=bar.update)
+        for run in runs:
+            text = [n for n in run if not cases[n].images]
+            if text:
+                answers = generate_lockstep(model, [prompt_ids[n] for n in text], [params[n] for n in text],
+                                            top_k_logprobs=TOP_K_LOGPROBS, progress=bar.update)
+                results.update(zip(text, answers))
+            for n in run:
+                if cases[n].images:
+                    pixels = [image.pixels() for image in cases[n].images]
+                    results[n] = generate_with_images(model, prompt_ids[n], pixels, params[n], TOP_K_LOGPROBS)
+                    bar.update(len(results[n].token_ids))
         bar.update(bar.total - bar.n)  # answers that stopped before max_tokens
-    return [golden_case(model, case, ids, result) for case, ids, result in zip(cases, prompt_ids, results)]
+    return [golden_case(model, case, prompt_ids[n], results[n]) for n, case in enumerate(cases)]
 
 
 def golden_case(model: Model, case: PromptCase, prompt_ids: list[int], result) -> GoldenCase:
@@ -209,7 +239,7 @@ def golden_case(model: Model, case: PromptCase, prompt_ids: list[int], result) -
     return GoldenCase(case.id, case.prompt, case.messages, prompt_ids, case.max_tokens, result.token_ids,
                       result.text, result.finish_reason, result.margins,
                       [[[i, lp] for i, lp in s.top_logprobs] for s in result.steps], offsets,
-                      chat_template_kwargs=case.chat_template_kwargs)
+                      chat_template_kwargs=case.chat_template_kwargs, images=case.images)
 
 
 def golden_header(model: Model, prompts_path: Path, noise: dict, group: int = LOCKSTEP_GROUP) -> dict:
@@ -228,15 +258,18 @@ def golden_header(model: Model, prompts_path: Path, noise: dict, group: int = LO
     return header
 
 
-def case_line(case: GoldenCase) -> dict:
-    source = {"messages": case.messages} if case.messages else {"prompt": case.prompt}
+def case_line(case: GoldenCase, folder: Path) -> dict:
+    """The case's line in a golden file in `folder` (its image paths relative to it, each with its sha256)."""
+    messages = written_messages(case.messages, case.images, folder) if case.images else case.messages
+    source = {"messages": messages} if case.messages else {"prompt": case.prompt}
     if case.chat_template_kwargs is not None:
         source[TEMPLATE_KWARGS_KEY] = case.chat_template_kwargs
     return {"id": case.id, **source, **{key: getattr(case, key) for key in CASE_KEYS}}
 
 
 def write_golden(path: Path, header: dict, cases: list[GoldenCase]) -> None:
-    lines = [json.dumps(header, ensure_ascii=False)] + [json.dumps(case_line(c), ensure_ascii=False) for c in cases]
+    lines = [json.dumps(header, ensure_ascii=False)] + [json.dumps(case_line(c, path.parent), ensure_ascii=False)
+                                                     for c in cases]
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -319,7 +352,7 @@ def merge_shards(paths: list[str | Path], out: str | Path) -> Golden:
     return Golden(out, common, cases)
 
 
-def _parse_case(where: str, obj: dict) -> GoldenCase:
+def _parse_case(where: str, obj: dict, folder: Path) -> GoldenCase:
     missing = [k for k in ("id",) + CASE_KEYS if k not in obj and k not in OPTIONAL_CASE_KEYS]
     if missing:
         raise RefengineError(f"{where}: missing key(s) {', '.join(missing)}")
@@ -328,8 +361,11 @@ def _parse_case(where: str, obj: dict) -> GoldenCase:
         raise RefengineError(f"{where}: token_ids, margins, top_logprobs and text_offsets must have one "
                              f"entry per generated token")
     _check_template_kwargs(where, obj)
+    if obj.get("messages") is not None:
+        check_content(where, obj["messages"])
+    images = read_images(f"{where}: case {obj['id']!r}", obj.get("messages"), folder, True)
     return GoldenCase(obj["id"], obj.get("prompt"), obj.get("messages"), **{k: obj.get(k) for k in CASE_KEYS},
-                      chat_template_kwargs=obj.get(TEMPLATE_KWARGS_KEY))
+                      chat_template_kwargs=obj.get(TEMPLATE_KWARGS_KEY), images=images)
 
 
 def read_golden(path: str | Path) -> Golden:
@@ -348,7 +384,7 @@ def read_golden(path: str | Path) -> Golden:
     if not isinstance(specials, dict) or any(not k.isdigit() or not isinstance(v, str) or not v
                                              for k, v in specials.items()):
         raise RefengineError(f"{where}: header special_tokens: expected an object of token id -> its text")
-    cases = [_parse_case(w, obj) for w, obj in lines[1:]]
+    cases = [_parse_case(w, obj, path.parent) for w, obj in lines[1:]]
     if not cases:
         raise RefengineError(f"{path}: no cases")
     return Golden(path, header, cases)

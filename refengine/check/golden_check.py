@@ -1,6 +1,8 @@
 """`golden check`: the float32 engine replays every case of a golden file as one random join/leave
 schedule (requests arrive at random steps, share steps with whoever is running, leave when done;
 run by check.driver) and each answer is judged by the margin rule against the float64 golden tokens.
+An image case's request carries its images (decoded from the golden file's verified bytes) with its
+prompt ids, which hold each image's run of placeholder tokens.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def check(golden: Golden, model: Model, mode: str = "fast", seed: int = 0, max_n
                           fault=fault)
     arrivals = random_arrivals(golden, seed)
     requests = [ScheduledRequest(c.id, {"prompt_ids": c.prompt_ids}, SamplingParams(max_tokens=c.max_tokens),
-                                 arrivals[c.id], None) for c in golden.cases]
+                                 arrivals[c.id], None, images=c.images) for c in golden.cases]
     engine, failure = run_batched(model, Schedule(str(golden.path), config, requests), config, keep_logits=False)
     outputs = engine.outputs()
     verdicts = {c.id: judge_ids(c, outputs[c.id].token_ids, outputs[c.id].text, golden.tolerance)

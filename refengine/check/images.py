@@ -13,6 +13,8 @@ puts images into a prompt of token ids), or messages with image parts.
 """
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
+
 import numpy as np
 
 from ..errors import RefengineError
@@ -23,8 +25,23 @@ IMAGE_KEYS = ("height", "width", "seed")
 MAX_SIDE = 4096
 
 
-def parse_image(raw, where: str) -> tuple[int, int, int]:
-    """(height, width, seed) of a schedule's image object at `where`."""
+@dataclass(frozen=True)
+class GeneratedImage:
+    """A schedule's image. A request's images are anything with `pixels()` (a golden case's are
+    check.case_images.CaseImage)."""
+    height: int
+    width: int
+    seed: int
+
+    def pixels(self) -> np.ndarray:
+        return generated_image(*astuple(self))
+
+    def as_json(self) -> dict:
+        return dict(zip(IMAGE_KEYS, astuple(self)))
+
+
+def parse_image(raw, where: str) -> GeneratedImage:
+    """The image of a schedule's image object at `where`."""
     if not isinstance(raw, dict) or set(raw) != set(IMAGE_KEYS):
         raise RefengineError(f"{where}: expected an object with exactly {', '.join(IMAGE_KEYS)}, got {raw!r}")
     height, width, seed = (raw[k] for k in IMAGE_KEYS)
@@ -32,7 +49,7 @@ def parse_image(raw, where: str) -> tuple[int, int, int]:
                                   ("seed", seed, 0, 2**63 - 1)):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise RefengineError(f"{where}.{key}: expected an integer in [{low}, {high}], got {value!r}")
-    return height, width, seed
+    return GeneratedImage(height, width, seed)
 
 
 def generated_image(height: int, width: int, seed: int) -> np.ndarray:
@@ -48,8 +65,8 @@ def image_run(model: Model, image: np.ndarray) -> list[int]:
     return [v.vision_start_token_id, *[v.image_token_id] * tokens, v.vision_end_token_id]
 
 
-def placed(model: Model, prompt: list[int], images: list[tuple[int, tuple[int, int, int]]]) -> list[int]:
-    """`prompt` with each (at, (height, width, seed)) of `images` as its run of image tokens before the
+def placed(model: Model, prompt: list[int], images: list[tuple[int, GeneratedImage]]) -> list[int]:
+    """`prompt` with each (at, image) of `images` as its run of image tokens before the
     prompt's token `at` (at its end where `at` is past it; images at one token in the listed order), and
     the prompt's own image tokens made 0, so that the runs are the images'. The images must be listed in
     the order of their `at`."""
@@ -57,5 +74,5 @@ def placed(model: Model, prompt: list[int], images: list[tuple[int, tuple[int, i
     out = [0 if token == pad else token for token in prompt]
     for at, image in reversed(images):  # the last first: each goes where the prompt's own tokens put it
         at = min(at, len(prompt))
-        out[at:at] = image_run(model, generated_image(*image))
+        out[at:at] = image_run(model, image.pixels())
     return out

@@ -31,7 +31,6 @@ from .comparison import (
     logprob_tolerance,
 )
 from .driver import EngineStuck, configured, run_alone, run_batched, settings_text
-from .images import generated_image
 from .margin_rule import Verdict, describe, processed_noise_gain, tolerance
 from .policy import policy_problems
 from .prefix_cache import cache_problems
@@ -58,7 +57,7 @@ class Baselines:
     def reference(self, model: Model, prompt_ids: list[int], params: SamplingParams, images: tuple = ()):
         """`images`: ScheduledRequest.images, one per run of image tokens in prompt_ids."""
         if images:
-            return generate_with_images(model, prompt_ids, [generated_image(*i) for i in images], params,
+            return generate_with_images(model, prompt_ids, [image.pixels() for image in images], params,
                                         top_k_logprobs=0, keep_logits=True)
         return generate(model, prompt_ids, params, top_k_logprobs=0, keep_logits=True)
 

@@ -27,7 +27,7 @@ from ..engine import EngineConfig
 from ..engine.config import SETTINGS, SPECULATION_SETTINGS
 from ..errors import RefengineError
 from ..sampling import PROCESSOR_KEYS, SamplingParams, processor_params
-from .images import generated_image, parse_image
+from .images import parse_image
 
 ENGINE_KEYS = set(SETTINGS) | set(SPECULATION_SETTINGS)
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
@@ -46,11 +46,11 @@ class ScheduledRequest:
     abort_step: int | None
     logprobs: int | None = None  # alternatives requested per step (0: the chosen token's only); None: no logprobs
     cache_salt: str | None = None  # shares cached KV blocks only with requests of the same salt
-    images: tuple[tuple[int, int, int], ...] = ()  # (height, width, seed) of each generated image
+    images: tuple = ()  # in prompt order, each with pixels(): check.images.GeneratedImage, a golden case's CaseImage
 
     def image_arrays(self) -> list | None:
         """The request's images as add_request takes them (None: a text request)."""
-        return [generated_image(*image) for image in self.images] or None
+        return [image.pixels() for image in self.images] or None
 
 
 @dataclass(frozen=True)

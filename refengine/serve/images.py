@@ -8,58 +8,30 @@ moment, which no golden file or replay could reproduce.
 
 Everything a client can get wrong is refused with a RefengineError whose message starts with the
 part's path in the request ("messages[0].content[1].image_url.url: ..."), which the server answers
-as an HTTP 400: a missing or non-string URL, malformed base64, a media type other than PNG or JPEG,
-bytes Pillow cannot decode (Pillow itself refuses a header with a zero width or height), an empty
-payload, and an image over MAX_IMAGE_PIXELS, judged from its header before any pixel is decoded
-(a few kilobytes of PNG can declare gigapixels).
-
-Conversion to RGB is the one transformers' image processors apply to a Pillow image before
-anything else (image_transforms.convert_to_rgb, do_convert_rgb): an image with an alpha band or a
-transparent palette entry is composited onto white, any other mode converted by Pillow. The EXIF
-orientation tag is not applied, as those processors do not (transformers' load_image, which turns
-URL and base64 strings into images for its pipelines, does; and it drops alpha instead of
-compositing it).
-
-Pillow is the `vision` extra, imported when the first image arrives.
+as an HTTP 400: a part of another shape, a missing or non-string URL, a URL that is not a data: URL,
+and whatever model/image_files.py refuses in the data URL and the image it holds (malformed base64,
+a media type other than PNG or JPEG, bytes Pillow cannot decode, an image over MAX_IMAGE_PIXELS).
+The decoding itself (Pillow, RGB conversion compositing alpha on white) is model/image_files.py's,
+shared with prompt and golden files.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import io
 
 import numpy as np
 
-from ..errors import RefengineError
+from ..model.image_files import MAX_IMAGE_PIXELS, ImageError, data_url_bytes, decode_image
 
-MAX_IMAGE_PIXELS = 32_000_000  # beyond any photo a chat client sends; the model downsizes to ~1 megapixel anyway
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}  # image/jpg: common, if unofficial
+__all__ = ["MAX_IMAGE_PIXELS", "ImageError", "decode_image_part", "image_content_hash"]
 # Part type -> the fields its image may be in: OpenAI chat's {"image_url": {"url"}} (or a bare string
 # there), the Responses API's input_image, and the {"image"} / {"url"} of transformers' chat templates
 URL_FIELDS = {"image_url": ("image_url",), "input_image": ("image_url",), "image": ("image", "url")}
 
 
-class ImageError(RefengineError):
-    """An image part of a request that cannot be used: the message starts with the part's path."""
-
-
 def decode_image_part(part, where: str) -> np.ndarray:
     """An image content part at `where` (e.g. "messages[0].content[1]") -> RGB pixels uint8 [H, W, 3]."""
     url, where = _data_url(part, where)
-    media_type, _, payload = url[len("data:"):].partition(",")
-    params = media_type.split(";")
-    if params[0].lower() not in MEDIA_TYPES:
-        raise ImageError(f"{where}: media type {params[0]!r} is not supported (supported: image/png, image/jpeg)")
-    if "base64" not in params[1:]:
-        raise ImageError(f"{where}: the data URL must be base64 (data:{params[0]};base64,...)")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:  # ValueError: a non-ASCII character
-        raise ImageError(f"{where}: malformed base64 ({e})") from None
-    if not data:
-        raise ImageError(f"{where}: the image is empty (no bytes after 'base64,')")
-    return _pixels(data, where)
+    return decode_image(data_url_bytes(url, where), where)
 
 
 def image_content_hash(pixels) -> str:
@@ -88,28 +60,3 @@ def _data_url(part, where: str) -> tuple[str, str]:
         raise ImageError(f"{where}: only inline images are accepted (data:image/png;base64,... or "
                          f"data:image/jpeg;base64,...); this server never fetches {what}")
     return value, where
-
-
-def _pixels(data: bytes, where: str) -> np.ndarray:
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ImageError(f"{where}: images need Pillow: pip install 'refengine[vision]'") from None
-    try:
-        image = Image.open(io.BytesIO(data), formats=sorted(set(MEDIA_TYPES.values())))  # reads the header only
-    except Image.DecompressionBombError:  # Pillow's own refusal, far above our limit
-        raise ImageError(f"{where}: the image is over {MAX_IMAGE_PIXELS} pixels") from None
-    except Exception as e:  # Pillow's plugins raise many kinds (OSError, SyntaxError, ValueError, ...) for bad bytes
-        raise ImageError(f"{where}: the image could not be decoded ({e})") from None
-    width, height = image.size
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ImageError(f"{where}: the image is {width}x{height} = {width * height} pixels, over the limit of "
-                         f"{MAX_IMAGE_PIXELS}")
-    try:
-        image.load()
-        if "A" in image.getbands() or image.info.get("transparency") is not None:
-            white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-            image = Image.alpha_composite(white, image.convert("RGBA"))
-        return np.array(image.convert("RGB"), dtype=np.uint8)  # [height, width, 3], its own memory
-    except Exception as e:  # a truncated or corrupt body shows only when decoded
-        raise ImageError(f"{where}: the image could not be decoded ({e})") from None

@@ -12,7 +12,7 @@ make a request six, and only trailing requests could go):
   first golden case and the end of the schedule);
 - api: `completions`, or `chat` when drawn and the case has chat messages (a chat case sent as a
   completion carries its golden prompt ids; to a server that takes no token-id prompts, `id_prompts`
-  False, a chat case always goes as chat);
+  False, a chat case always goes as chat, and so does a case with images);
 - stream: a whole JSON answer, or SSE chunks;
 - arrival: 0-MAX_ARRIVAL_STEPS arrival steps after the schedule starts. The step's length is the
   server's: its shortest alone answer's latency / (MAX_ARRIVAL_STEPS + 1) (test_http measures it), so
@@ -63,12 +63,12 @@ class HttpRequest:
 def http_requests(draw, golden: Golden, id_prompts: bool = True) -> tuple[HttpRequest, bool]:
     """(the request, whether it is the schedule's last). `id_prompts` False: the server takes no
     token-id prompts, so a chat case always goes as chat (the api is still drawn: a request stays five
-    draws)."""
+    draws); so does a case with images (completions has no place for them)."""
     num_cases = len(golden.cases)
     drawn = draw(st.integers(0, MORE_REQUESTS_FACTOR * num_cases - 1))
     index, last = drawn % num_cases, drawn < num_cases
     case = golden.cases[index]
-    chat = (draw(st.booleans()) or not id_prompts) and bool(case.messages)
+    chat = (draw(st.booleans()) or not id_prompts or bool(case.images)) and bool(case.messages)
     stream = draw(st.booleans())
     arrival = draw(st.integers(0, MAX_ARRIVAL_STEPS))
     leave = draw(st.integers(0, MAX_CANCEL_CHUNKS))  # 0: run to completion

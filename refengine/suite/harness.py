@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ..check.calibrate import calibration_for
 from ..check.driver import run_batched
-from ..check.images import placed
+from ..check.images import GeneratedImage, placed
 from ..check.output_oracle import expected_finish, settled_length, stop_cut
 from ..check.replay import Baselines, ReplayResult, replay
 from ..check.repro import write_repro
@@ -168,7 +168,8 @@ def resolve_images(model_name: str, schedule: dict) -> dict:
             continue
         length = len(raw["prompt_ids"])
         images = sorted(raw["images"], key=lambda image: min(image["at"], length))  # stable: in drawn order
-        prompt = placed(model, raw["prompt_ids"], [(i["at"], (i["height"], i["width"], i["seed"])) for i in images])
+        prompt = placed(model, raw["prompt_ids"], [(i["at"], GeneratedImage(i["height"], i["width"], i["seed"]))
+                                                   for i in images])
         request["prompt_ids"] = prompt
         request["images"] = [{k: image[k] for k in ("height", "width", "seed")} for image in images]
         engine["num_blocks"] = max(engine["num_blocks"], blocks_for(len(prompt) + request["max_tokens"],

@@ -142,9 +142,10 @@ def connect(url: str, golden: Golden, precision: str = "f32", model=None, alone_
 
 
 def alone_requests(cases, id_prompts: bool) -> list[Planned]:
-    """Each case, whole, to each API a schedule may send it to."""
+    """Each case, whole, to each API a schedule may send it to (a case with images: chat only)."""
     return [Planned(case.id, case, api, 0.0, False, None) for case in cases for api in ("completions", "chat")
-            if (api == "chat" and case.messages) or (api == "completions" and (id_prompts or not case.messages))]
+            if (api == "chat" and case.messages) or (api == "completions" and not case.images
+                                                     and (id_prompts or not case.messages))]
 
 
 def with_processed(server: Server, bases: tuple[str, ...] | None = None) -> Server:
@@ -207,8 +208,8 @@ def applies_what_it_accepts(server: Server) -> None:
     may fail on none of them (HTTP 5xx, no answer)."""
     ignored = {}
     for api in ("completions", "chat"):
-        case = next((c for c in server.golden.cases if api == "completions" and (server.id_prompts or not c.messages)
-                     or api == "chat" and c.messages), None)
+        case = next((c for c in server.golden.cases if api == "completions" and not c.images
+                     and (server.id_prompts or not c.messages) or api == "chat" and c.messages), None)
         if case is not None:
             body = request_body(Planned(case.id, case, api, 0.0, False, None), server.served_name)
             ignored |= {f"{api}: {name}": v["why"] for name, v in probe_surface(server.endpoint, api, body,

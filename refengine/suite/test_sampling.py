@@ -5,9 +5,9 @@ top-k or temperature that is wrong the same way alone and batched is invisible t
 judge is refengine.check.sampling_oracle, written afresh from the HF/vLLM definitions:
 - support: on Hypothesis join/leave schedules where every request samples with a seed, every drawn
   token lies in the oracle's support computed on the FLOAT64 reference logits of its prefix (prompt
-  + the tokens generated before it, and its images on the vision model), processed by the float64 definition of its penalties, bias and
-  min_tokens (reference.adjusted_logits), with boundary tokens the calibrated f32-vs-f64 noise can
-  flip allowed either way; and every engine row stays within that noise of the reference row.
+  + the tokens generated before it, and its images on the vision model), processed by the float64
+  definition of its penalties, bias and min_tokens (reference.adjusted_logits), with boundary tokens
+  the calibrated f32-vs-f64 noise can flip allowed either way; and every engine row stays within that noise of the reference row.
 - distribution: for each sampler of SAMPLERS (and of PROCESSED_SAMPLERS, with penalties and bias),
   DRAWS first tokens of one prompt under seeds 0..DRAWS-1 (the engine's draw for token 0 depends only
   on (seed, 0), so the logits are computed once and only the seed varies) fit the oracle's target
@@ -30,7 +30,6 @@ from hypothesis.extra.numpy import arrays
 from ..check.calibrate import calibration_for
 from ..check.comparison import logit_deviation
 from ..check.driver import configured, run_batched
-from ..check.images import generated_image
 from ..check.margin_rule import processed_noise_gain, tolerance
 from ..check.sampling_oracle import goodness_of_fit, nucleus
 from ..check.schedule import parse_schedule
@@ -85,7 +84,7 @@ def reference_rows(model_name: str, prompt: tuple, generated: tuple, images: tup
     """The float64 logits row each generated token was drawn from: [len(generated), vocab]. `images`: the
     request's (ScheduledRequest.images), one per run of image tokens in `prompt`."""
     model, ids = tiny_model(model_name), list(prompt + generated[:-1])
-    logits = prompt_logits_with_images(model, ids, [generated_image(*i) for i in images]) if images \
+    logits = prompt_logits_with_images(model, ids, [image.pixels() for image in images]) if images \
         else prompt_logits(model, ids)
     return logits[len(prompt) - 1:]
 

@@ -235,7 +235,7 @@ class SerialBaseline:
                               got=parted.got_ids[index] if index < len(parted.got_ids) else None)
             reason = f"{verdict.reason}; token index and ids from the answers' text, by the local tokenizer"
         margin = self.margins.margin(self.margins.prompt_ids(case, alone.prompt_token_ids), alone_ids, index,
-                                     processed(case))
+                                     processed(case), case.images)
         return replace(verdict, kind=first_divergence(margin, self.tolerance), margin=margin, reason=reason)
 
 

@@ -6,7 +6,8 @@ teacher-forced along the baseline answer's tokens. The margin rule then has a nu
 The margin comes from the model folder on the validating machine, through refengine.reference, never
 from what the server sent: the code under test cannot move it. Where the server reports text only,
 its answers are mapped to ids by the local tokenizer, and the mapping is used only where it is
-unambiguous at the divergence (text_divergence says when it is not, and the verdict says so).
+unambiguous at the divergence (text_divergence says when it is not, and the verdict says so). A case
+with images is measured by the reference with its images (vision_reference), as its golden answer was.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 from ..model import Model
 from ..reference import adjusted_logits, prompt_logits
 from ..sampling import SamplingParams
+from ..vision_reference import prompt_logits_with_images
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,16 @@ class LocalMargins:
         return case.encode(self.model)
 
     def margin(self, prompt_ids: list[int], answer_ids: list[int], index: int,
-               params: SamplingParams | None = None) -> float:
+               params: SamplingParams | None = None, images: tuple = ()) -> float:
         """Top-1 minus top-2 float64 logit at generated position `index`, given answer_ids[:index]; of
-        the row `params`' logits processors make (reference.adjusted_logits), where they have any."""
-        key = (tuple(prompt_ids), tuple(answer_ids[:index]), params)
+        the row `params`' logits processors make (reference.adjusted_logits), where they have any.
+        `images`: the case's (check.case_images.CaseImage), one per run of image tokens in prompt_ids."""
+        key = (tuple(prompt_ids), tuple(answer_ids[:index]), params, tuple(image.sha256 for image in images))
         with self._lock:
             if key not in self._memo:
-                logits = prompt_logits(self.model, list(prompt_ids) + list(answer_ids[:index]))[-1]  # [vocab]
+                ids = list(prompt_ids) + list(answer_ids[:index])
+                logits = prompt_logits_with_images(self.model, ids, [image.pixels() for image in images])[-1] \
+                    if images else prompt_logits(self.model, ids)[-1]                                    # [vocab]
                 if params is not None and params.processes_logits:
                     logits = adjusted_logits(logits, prompt_ids, answer_ids[:index], params,
                                              self.model.config.eos_token_ids)

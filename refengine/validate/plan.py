@@ -8,12 +8,14 @@ KV its alone answer left. A case comes from a golden file (GoldenCase) or a prom
 (PromptCase): requests need only its prompt or messages and max_tokens. A share of the requests
 (`variant_rate`) goes as one of its case's variants (validate.variants: penalties, logit_bias with
 min_tokens, prompt logprobs, n), drawn apart too; a variant the server refused alone goes as its case.
+A case's images (check.case_images) go to the chat API as data URLs, whatever the file gave.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
 
+from ..check.case_images import inline_messages
 from ..check.golden import GoldenCase, PromptCase
 from ..errors import RefengineError
 from .variants import ProcessedCase, variants
@@ -84,6 +86,9 @@ def case_api(case, api: str, source) -> str:
     if api == "completions" and case.messages and getattr(case, "prompt_ids", None) is None:
         raise RefengineError(f"{source}: case {case.id!r} is a chat case without prompt ids; api completions "
                              f"sends a golden file's prompt ids (use api auto or chat, or a golden file)")
+    if api == "completions" and case.images:
+        raise RefengineError(f"{source}: case {case.id!r} shows images; api completions would send its prompt ids "
+                             f"without them (use api auto or chat)")
     return "chat" if case.messages and api != "completions" else "completions"
 
 
@@ -125,7 +130,7 @@ def expected_length(case) -> int:
 def request_body(p: Planned, served_model: str) -> dict:
     body = {"model": served_model, "max_tokens": p.case.max_tokens, "temperature": 0, "stream": p.stream}
     if p.api == "chat":
-        body["messages"] = p.case.messages
+        body["messages"] = inline_messages(p.case.messages, p.case.images) if p.case.images else p.case.messages
         if p.case.chat_template_kwargs is not None:  # the template arguments the golden prompt was rendered with
             body["chat_template_kwargs"] = p.case.chat_template_kwargs
     else:  # chat cases sent as completions carry the golden prompt ids: exactly the tokens the reference saw
