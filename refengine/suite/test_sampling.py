@@ -7,7 +7,8 @@ judge is refengine.check.sampling_oracle, written afresh from the HF/vLLM defini
   token lies in the oracle's support computed on the FLOAT64 reference logits of its prefix (prompt
   + the tokens generated before it, and its images on the vision model), processed by the float64
   definition of its penalties, bias and min_tokens (reference.adjusted_logits), with boundary tokens
-  the calibrated f32-vs-f64 noise can flip allowed either way; and every engine row stays within that noise of the reference row.
+  the calibrated f32-vs-f64 noise can flip allowed either way; and every engine row stays within that
+  noise of the reference row.
 - distribution: for each sampler of SAMPLERS (and of PROCESSED_SAMPLERS, with penalties and bias),
   DRAWS first tokens of one prompt under seeds 0..DRAWS-1 (the engine's draw for token 0 depends only
   on (seed, 0), so the logits are computed once and only the seed varies) fit the oracle's target
