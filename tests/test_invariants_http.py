@@ -6,7 +6,8 @@ derandomized) and shrunk to one streamed request that hangs up: hang-up-without-
 hang-up-is-an-abort property, slot-leak by the drain property (admission slots) and, on a server with
 the suite's few waiting slots, by the golden property itself (leaked slots become refused requests).
 And the shipped HTTP properties pass against a clean server while other processes keep every core
-busy: none of them judges how fast the server noticed anything."""
+busy: none of them judges how fast the server noticed anything. A vision-language server is held to its
+golden image answers the same way (image chats sent to chat with data URLs)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from dataclasses import replace
 
 import pytest
 
+from refengine.check.calibrate import stored_calibration
 from refengine.check.golden import load_prompts, read_golden, refresh
 from refengine.cli import main
 from refengine.data import shipped
@@ -322,3 +324,46 @@ def test_a_server_that_ignores_processors_it_accepts_fails_the_probe_and_validat
                 assert surface["completions"]["echo"]["verdict"] == "applied" and "echo" not in surface["chat"]
         finally:
             server.close()
+
+
+# --- images: a vision-language server held to its golden image answers ----------------------------
+@pytest.fixture(scope="module")
+def image_golden(tmp_path_factory):
+    """A golden file of the tiny Qwen3-VL model (float64 reference with images, built here): a chat with an
+    image before its text, one with two images after it, and a text chat."""
+    from test_golden_images import image_part, png, write_jsonl
+    folder = tmp_path_factory.mktemp("image-golden")
+    (folder / "a.png").write_bytes(png(24, 16, 1))
+    (folder / "b.png").write_bytes(png(16, 16, 2))
+    lines = [{"id": "before", "max_tokens": 12, "messages": [{"role": "user", "content": [
+                 image_part("a.png"), {"type": "text", "text": "What is it?"}]}]},
+             {"id": "after", "max_tokens": 12, "messages": [{"role": "user", "content": [
+                 {"type": "text", "text": "Compare:"}, image_part("b.png"), image_part("a.png")]}]},
+             {"id": "text", "max_tokens": 12, "messages": [{"role": "user", "content": "Hello"}]}]
+    prompts = write_jsonl(folder / "prompts.jsonl", lines)
+    model = tiny_vision_model()
+    return refresh(model, prompts, load_prompts(prompts), folder / "images.jsonl", stored_calibration(model))
+
+
+def tiny_vision_model():
+    from refengine.strategies.models import VISION_MODEL, tiny_model
+    return tiny_model(VISION_MODEL)
+
+
+def test_the_golden_property_holds_a_vision_server_to_its_image_answers(image_golden, tmp_path, monkeypatch):
+    """Clean, the image chats' answers are the golden ones under every drawn schedule (sent to chat only:
+    completions has no place for images); served with deepstack a layer late (wrong alone too), the property
+    fails and shrinks to one request."""
+    monkeypatch.setenv("REFENGINE_REPRO_DIR", str(tmp_path))
+    golden, model = image_golden, tiny_vision_model()
+    clean = OpenAIServer(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16), host="127.0.0.1")
+    clean.start()
+    try:
+        server = connect(clean.url, golden)
+        assert {api for (case, api) in server.alone if case != "text"} == {"chat"}
+        http_property(answers_match_golden, server, derandomize=True, database=None)()
+    finally:
+        clean.close()
+    shrunk, _ = hunt(model, "deepstack-one-layer-late", answers_match_golden, "image_answers_on_faulty_server",
+                     "diverged at generated token", small_enough=lambda s: len(s) == 1, golden=golden)
+    assert len(shrunk) == 1 and golden.cases[shrunk[0].case].images
