@@ -7,7 +7,7 @@ a cache hit on a running request's prompt (with and without prompt logprobs), th
 another cache_salt, a conversation's next turn,
 draft tokens verified, all accepted and some rejected, behind another request's chunk, two requests'
 images fed in one step behind a text request with a chunk boundary inside an image, text after a
-two-row image.
+three-row image.
 A corner runs on the suite's base model unless it names another (a top-level "model": a vision-language
 one for images); a chunking-consistency corner also gives its "other_budget".
 Random runs of the dev profile's budget reach them only now and then (refengine bench --scenario faults;

@@ -167,11 +167,11 @@ def resolve_images(model_name: str, schedule: dict) -> dict:
             out.append(request)
             continue
         length = len(raw["prompt_ids"])
-        images = sorted(raw["images"], key=lambda image: min(image["at"], length))  # stable: in drawn order
-        prompt = placed(model, raw["prompt_ids"], [(i["at"], GeneratedImage(i["height"], i["width"], i["seed"]))
-                                                   for i in images])
+        images = sorted(((min(i["at"], length), GeneratedImage(i["height"], i["width"], i["seed"]))
+                         for i in raw["images"]), key=lambda image: image[0])  # stable: in drawn order
+        prompt = placed(model, raw["prompt_ids"], images)
         request["prompt_ids"] = prompt
-        request["images"] = [{k: image[k] for k in ("height", "width", "seed")} for image in images]
+        request["images"] = [image.as_json() for _, image in images]
         engine["num_blocks"] = max(engine["num_blocks"], blocks_for(len(prompt) + request["max_tokens"],
                                                                     engine["block_size"]))
         out.append(request)
