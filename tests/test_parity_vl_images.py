@@ -34,12 +34,13 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe  # noqa: E402
 
+from refengine.check.images import generated_image as image  # noqa: E402
 from refengine.errors import RefengineError  # noqa: E402
 from refengine.model import load_model  # noqa: E402
 from refengine.model.image import ImageProcessorConfig, preprocess_image  # noqa: E402
 from refengine.model.tokenizer import Tokenizer as RefTokenizer  # noqa: E402
 from refengine.reference import prompt_logits  # noqa: E402
-from refengine.vision_reference import (  # noqa: E402  # noqa: E402
+from refengine.vision_reference import (  # noqa: E402
     mrope_delta,
     mrope_positions,
     prompt_logits_with_images,
@@ -148,10 +149,6 @@ def hf_vision_float64(folder, model_cls):
     rotary.inv_freq = 1.0 / 10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float64) / quarter)
     rotary.forward = types.MethodType(_vision_rotary_f64, rotary)
     return model
-
-
-def image(h: int, w: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
 
 
 def hf_processed(processor, images, tensors: str):

@@ -16,13 +16,16 @@ shared with prompt and golden files.
 """
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
-from ..model.image_files import MAX_IMAGE_PIXELS, ImageError, data_url_bytes, decode_image
+from ..model.image_files import (
+    MAX_IMAGE_PIXELS,
+    ImageError,
+    data_url_bytes,
+    decode_image,
+)
 
-__all__ = ["MAX_IMAGE_PIXELS", "ImageError", "decode_image_part", "image_content_hash"]
+__all__ = ["MAX_IMAGE_PIXELS", "ImageError", "decode_image_part"]
 # Part type -> the fields its image may be in: OpenAI chat's {"image_url": {"url"}} (or a bare string
 # there), the Responses API's input_image, and the {"image"} / {"url"} of transformers' chat templates
 URL_FIELDS = {"image_url": ("image_url",), "input_image": ("image_url",), "image": ("image", "url")}
@@ -32,13 +35,6 @@ def decode_image_part(part, where: str) -> np.ndarray:
     """An image content part at `where` (e.g. "messages[0].content[1]") -> RGB pixels uint8 [H, W, 3]."""
     url, where = _data_url(part, where)
     return decode_image(data_url_bytes(url, where), where)
-
-
-def image_content_hash(pixels) -> str:
-    """sha256 (hex) of an image's shape and pixel bytes: the same for the same pixels, whatever file
-    format or encoding carried them (a prefix cache or golden file keys on what the model sees)."""
-    pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
-    return hashlib.sha256(f"uint8{list(pixels.shape)}".encode() + pixels.tobytes()).hexdigest()
 
 
 def _data_url(part, where: str) -> tuple[str, str]:
